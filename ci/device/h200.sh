@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The H200 side of the benchmark and CUDA test pipeline (issue: decode benchmark on the H200).
+#
+# The device machine is bare and offline, and one command may run at most 10 minutes, so the work
+# runs detached (`start`) and is polled (`wait`), and results are copied into $OUT.
+#
+#   ci/device/h200.sh start [STAGES...]   extract + patch + build, write models, run stages (detached)
+#   ci/device/h200.sh wait SECONDS        print progress until done or SECONDS pass; copy results to $OUT
+#
+# Inputs (carried in the working tree): .carry/llama-src.tar.gz, a slim pinned tree (top folder
+# llama.cpp/) with the patch series already applied, or pristine plus patches/series to apply here.
+# Stages (default: all): tests bench bench-q8 bench-14b budgets batched identity
+set -u
+ROOT=$(pwd)
+W=${OPENCOTI_DEVICE_WORK:-/tmp/ocw}
+LOG=$W/log
+SRC=$W/llama.cpp
+BUILD=$W/build
+BIN=$BUILD/bin
+
+stage_begin() { echo "$(date +%T) begin $1" >> "$LOG/status"; }
+stage_end()   { echo "$(date +%T) end $1 rc=$2" >> "$LOG/status"; }
+
+run_stage() { # name cmd...
+    local name=$1; shift
+    stage_begin "$name"
+    ( set -o pipefail; "$@" ) > "$LOG/$name.log" 2>&1
+    local rc=$?
+    stage_end "$name" $rc
+    return $rc
+}
+
+prepare_src() {
+    mkdir -p "$W"
+    tar xzf "$ROOT/.carry/llama-src.tar.gz" -C "$W"
+    if [ -f "$ROOT/.carry/APPLY_SERIES" ]; then
+        (cd "$SRC" && while read -r p; do
+            case "$p" in ''|'#'*) continue;; esac
+            patch -p1 --no-backup-if-mismatch -s < "$ROOT/patches/$p" || exit 1
+        done < "$ROOT/patches/series")
+    fi
+}
+
+build_cuda() {
+    cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+        -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_UI=OFF &&
+    cmake --build "$BUILD" -j "$(nproc)" --target llama-bench llama-batched-bench test-backend-ops \
+        llama-cli ${EXTRA_TARGETS:-}
+}
+
+write_models() {
+    export PYTHONPATH=$ROOT
+    python3 -m opencoti_patch.synth_gguf "$W/m8b-q4_0.gguf" --shape 8b --type q4_0 --tree "$SRC" &&
+    python3 -m opencoti_patch.synth_gguf "$W/m14b-q4_0.gguf" --shape 14b --type q4_0 --tree "$SRC"
+}
+
+bench() { # name model args...
+    local name=$1 model=$2; shift 2
+    run_stage "$name" "$BIN/llama-bench" -m "$model" -ngl 99 -fa 1 -p 0 -n 64 -o json "$@"
+}
+
+start() {
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$LOG/gpu.txt" 2>&1
+    nvcc --version >> "$LOG/gpu.txt" 2>&1
+    run_stage prepare prepare_src || return 1
+    write_models > "$LOG/models.log" 2>&1 &
+    local models_pid=$!
+    run_stage build build_cuda || return 1
+    wait $models_pid; echo "models rc=$?" >> "$LOG/status"
+    local stages=("$@")
+    [ ${#stages[@]} -eq 0 ] && stages=(tests bench budgets bench-q8 bench-14b)
+    for s in "${stages[@]}"; do
+        case $s in
+        tests)
+            run_stage test-fill   "$BIN/test-backend-ops" -o SPARSE_ATTN_FILL -b CUDA0
+            run_stage test-select "$BIN/test-backend-ops" -o SPARSE_ATTN_SELECT -b CUDA0
+            run_stage test-fa     "$BIN/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 ;;
+        bench)
+            bench bench-f16 "$W/m8b-q4_0.gguf" -r 2 -d 0,8192,32768,65536,131072 -sa 0,1 -sak 32 ;;
+        budgets)
+            bench bench-budgets "$W/m8b-q4_0.gguf" -r 2 -d 131072 -sa 1 -sak 8,16 ;;
+        bench-q8)
+            bench bench-q8 "$W/m8b-q4_0.gguf" -r 2 -ctk q8_0 -ctv q8_0 -d 32768,131072 -sa 0,1 -sak 32 ;;
+        bench-14b)
+            bench bench-14b "$W/m14b-q4_0.gguf" -r 2 -d 32768,131072 -sa 0,1 -sak 32 ;;
+        *) echo "unknown stage $s" >> "$LOG/status" ;;
+        esac
+    done
+    echo "$(date +%T) ALL DONE" >> "$LOG/status"
+}
+
+collect() {
+    [ -n "${OUT:-}" ] || return 0
+    mkdir -p "$OUT"
+    (cd "$W" && tar czf "$OUT/results.tgz" log 2>/dev/null)
+}
+
+wait_for() {
+    local limit=$1 t0=$SECONDS
+    while [ $((SECONDS - t0)) -lt "$limit" ]; do
+        if grep -q "ALL DONE" "$LOG/status" 2>/dev/null; then break; fi
+        sleep 10
+    done
+    cat "$LOG/status" 2>/dev/null
+    tail -n 3 "$LOG/build.log" 2>/dev/null
+    collect
+}
+
+case ${1:-} in
+    start) shift; rm -rf "$W"; mkdir -p "$LOG"; setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null & ;;
+    _run)  shift; start "$@" ;;
+    wait)  wait_for "${2:-540}" ;;
+    *) echo "usage: $0 start [stages...] | wait SECONDS" >&2; exit 2 ;;
+esac

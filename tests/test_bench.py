@@ -1,0 +1,76 @@
+"""Unit tests for the benchmark packer/report and the random GGUF writer (no GPU needed)."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from opencoti_patch import bench
+from opencoti_patch.synth_gguf import LlamaShape, import_gguf, write_llama_gguf
+
+
+def test_pack_slim_drops_unneeded_folders(tmp_path: Path) -> None:
+    tree = tmp_path / "t"
+    for rel in ("CMakeLists.txt", "src/a.cpp", "docs/big.md", "models/x.gguf", "examples/e/main.cpp",
+                "models/templates/t.py"):
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(rel)
+    out = bench.pack_slim(tree, tmp_path / "slim.tgz")
+    with tarfile.open(out) as tar:
+        names = set(tar.getnames())
+    assert "llama.cpp/src/a.cpp" in names
+    assert "llama.cpp/CMakeLists.txt" in names
+    assert "llama.cpp/docs/big.md" not in names
+    assert "llama.cpp/models/x.gguf" not in names
+    assert "llama.cpp/models/templates/t.py" in names
+    assert "llama.cpp/examples/e/main.cpp" not in names
+    assert "llama.cpp/examples/CMakeLists.txt" in names
+
+
+def _rec(depth: int, sa: int, tps: float, topk: int = 32) -> dict:
+    return {"n_gen": 64, "n_prompt": 0, "n_depth": depth, "type_k": "f16", "avg_ts": tps,
+            "stddev_ts": 0.5, "sparse_attn": sa, "sparse_attn_topk": topk, "sparse_attn_block_size": 128}
+
+
+def test_ratios_pair_sparse_with_dense_of_same_depth(tmp_path: Path) -> None:
+    recs = [_rec(8192, 0, 300.0), _rec(8192, 1, 330.0), _rec(131072, 0, 100.0), _rec(131072, 1, 260.0),
+            {"n_gen": 0, "n_prompt": 512, "avg_ts": 1.0}]
+    p = tmp_path / "b.json"
+    p.write_text("log line\n" + json.dumps(recs) + "\ntrailing log\n")
+    rows = bench.parse_llama_bench(bench.load_json(p), "8b")
+    assert len(rows) == 4
+    rs = {c["depth"]: c for c in bench.ratios(rows)}
+    assert rs[8192]["ratio"] == pytest.approx(1.1)
+    assert rs[131072]["ratio"] == pytest.approx(2.6)
+    assert rs[131072]["budget"] == 32 * 128
+    table = bench.markdown_table(rows)
+    assert "**2.60×**" in table and "| 131072 |" in table
+
+
+def test_sparse_row_without_dense_has_no_ratio() -> None:
+    rows = bench.parse_llama_bench([_rec(4096, 1, 10.0)], "m")
+    assert bench.ratios(rows)[0]["ratio"] is None
+    assert "| – |" in bench.markdown_table(rows)
+
+
+@pytest.mark.parametrize("wtype", ["f32", "f16", "q4_0"])
+def test_write_llama_gguf_roundtrip(tmp_path: Path, wtype: str) -> None:
+    pytest.importorskip("numpy")
+    try:
+        gguf = import_gguf(None)
+    except ImportError:
+        pytest.skip("no gguf-py")
+    shape = LlamaShape(n_layer=2, n_embd=256, n_head=2, n_head_kv=1, n_ff=512, n_vocab=300)
+    path = write_llama_gguf(tmp_path / "m.gguf", shape, wtype, seed=1)
+    reader = gguf.GGUFReader(str(path))
+    names = {t.name: t for t in reader.tensors}
+    assert len(names) == 3 + 9 * 2
+    k = names["blk.0.attn_k.weight"]
+    assert [int(x) for x in k.shape] == [256, 128]  # ne0 = n_embd, ne1 = n_embd_kv
+    assert reader.fields["llama.attention.head_count_kv"].parts[-1][0] == 1
+    # deterministic: same seed, same bytes
+    again = write_llama_gguf(tmp_path / "m2.gguf", shape, wtype, seed=1)
+    assert path.read_bytes() == again.read_bytes()
