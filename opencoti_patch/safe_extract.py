@@ -1,0 +1,176 @@
+"""Extract a tar archive (or one folder of it) refusing anything that could escape the destination.
+
+Refused, before a byte is written: absolute member names, ``..`` components, device/fifo members,
+symlinks or hardlinks whose target leaves the extracted folder, members written through a symlink.
+Everything is extracted into a hidden sibling folder and renamed into place only when complete,
+so a refused or broken archive leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import tarfile
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import OpencotiError
+
+
+class UnsafeArchive(OpencotiError):
+    """The archive holds a member that could write outside the destination."""
+
+    hostile = True
+
+
+@dataclass(frozen=True)
+class _Member:
+    info: tarfile.TarInfo
+    rel: str  # path relative to the extraction root
+
+
+def _normalize(name: str, archive: Path) -> str:
+    if name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+        raise UnsafeArchive(f"{archive.name}: refusing absolute path {name!r}; nothing extracted")
+    parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise UnsafeArchive(f"{archive.name}: refusing path with '..' {name!r}; nothing extracted")
+    return "/".join(parts)
+
+
+def _link_escapes(rel: str, target: str) -> bool:
+    if target.startswith("/"):
+        return True
+    joined = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
+    return joined == ".." or joined.startswith("../")
+
+
+def _select(
+    members: Iterable[tarfile.TarInfo], archive: Path, subdir: str | None, exclude: Iterable[str]
+) -> tuple[list[_Member], str]:
+    infos = list(members)
+    names = [_normalize(m.name, archive) for m in infos]
+    # Validate every member of the archive, not only the selected ones.
+    for info, name in zip(infos, names, strict=True):
+        if info.ischr() or info.isblk() or info.isfifo() or not (info.isfile() or info.isdir()
+                                                                  or info.issym() or info.islnk()):
+            raise UnsafeArchive(
+                f"{archive.name}: refusing device/special member {info.name!r}; nothing extracted"
+            )
+        if info.issym() and _link_escapes(name, info.linkname):
+            raise UnsafeArchive(
+                f"{archive.name}: symlink {info.name!r} -> {info.linkname!r} points outside the "
+                "archive; nothing extracted"
+            )
+        if info.islnk():
+            _normalize(info.linkname, archive)
+    # Strip a single top-level folder (sdists and GitHub tarballs have one).
+    tops = {n.split("/", 1)[0] for n in names if n}
+    strip = ""
+    if len(tops) == 1:
+        only = tops.pop()
+        if any(n.startswith(only + "/") for n in names):
+            strip = only + "/"
+    prefix = strip + (subdir.strip("/") + "/" if subdir else "")
+    excluded = tuple(e.strip("/") for e in exclude)
+    selected: list[_Member] = []
+    for info, name in zip(infos, names, strict=True):
+        if not name.startswith(prefix):
+            continue
+        rel = name[len(prefix):]
+        if not rel or any(rel == e or rel.startswith(e + "/") for e in excluded):
+            continue
+        selected.append(_Member(info, rel))
+    if not selected:
+        where = f"folder {subdir!r}" if subdir else "members"
+        raise OpencotiError(f"{archive.name}: no {where} in the archive; nothing extracted")
+    links = {m.rel for m in selected if m.info.issym()}
+    for m in selected:
+        if m.info.issym() and _link_escapes(m.rel, m.info.linkname):
+            raise UnsafeArchive(
+                f"{archive.name}: symlink {m.info.name!r} -> {m.info.linkname!r} points outside "
+                f"{subdir or 'the tree'}; nothing extracted"
+            )
+        parts = m.rel.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in links:
+                raise UnsafeArchive(
+                    f"{archive.name}: member {m.info.name!r} is written through a symlink; "
+                    "nothing extracted"
+                )
+    return selected, prefix
+
+
+def _inside(root: Path, path: Path) -> bool:
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    return real == real_root or real.startswith(real_root + os.sep)
+
+
+def extract_tar(
+    archive: Path, dest: Path, subdir: str | None = None, exclude: Iterable[str] = ()
+) -> Path:
+    """Extract ``archive`` (or its ``subdir`` under the single top-level folder) to ``dest``.
+
+    ``dest`` must not exist. ``exclude`` names paths (relative to the extracted root) to skip.
+    """
+    if dest.exists():
+        raise OpencotiError(f"{dest} already exists; remove it first")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tar = tarfile.open(archive, "r:*")
+    except (tarfile.TarError, OSError) as exc:
+        raise OpencotiError(f"{archive}: not a readable tar archive ({exc})") from exc
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        with tar:
+            selected, prefix = _select(tar.getmembers(), archive, subdir, exclude)
+            symlinks: list[_Member] = []
+            for m in selected:
+                target = staging / m.rel
+                if m.info.isdir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if m.info.issym():
+                    symlinks.append(m)
+                elif m.info.islnk():
+                    linked = _normalize(m.info.linkname, archive)
+                    source = staging / linked[len(prefix):] if linked.startswith(prefix) else None
+                    _hardlink_copy(archive, m, source, target)
+                else:
+                    src = tar.extractfile(m.info)
+                    if src is None:
+                        raise OpencotiError(f"{archive.name}: cannot read member {m.info.name!r}")
+                    with src, open(target, "wb") as out:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                    target.chmod(0o755 if m.info.mode & 0o111 else 0o644)
+            for m in symlinks:
+                link = staging / m.rel
+                os.symlink(m.info.linkname, link)
+                if not _inside(staging, link):
+                    raise UnsafeArchive(
+                        f"{archive.name}: symlink {m.info.name!r} resolves outside the tree; "
+                        "nothing extracted"
+                    )
+        for d in sorted((p for p in staging.rglob("*") if p.is_dir() and not p.is_symlink()),
+                        reverse=True):
+            d.chmod(0o755)
+        staging.chmod(0o755)
+        staging.rename(dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return dest
+
+
+def _hardlink_copy(archive: Path, m: _Member, source: Path | None, target: Path) -> None:
+    if source is None or not source.is_file() or source.is_symlink():
+        raise UnsafeArchive(
+            f"{archive.name}: hardlink {m.info.name!r} -> {m.info.linkname!r} does not point to a "
+            "file extracted before it; nothing extracted"
+        )
+    shutil.copy2(source, target)

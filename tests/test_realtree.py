@@ -1,0 +1,115 @@
+"""Real-tree tests: the pinned llama-cpp-python 0.3.36 sdist (and 0.3.35 for the rebase).
+
+The sdists come from $OPENCOTI_SDIST (a file or a folder holding them under their own names),
+else /work/cache when it has them, else they are downloaded (cached). Run with `-m realtree`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from stackutil import Project
+
+pytestmark = pytest.mark.realtree
+
+REPO = Path(__file__).resolve().parent.parent
+PIN, OLD_PIN = "0c1e57098", "4df29be4f"
+LOCAL_CACHE = Path("/work/cache")
+
+
+def _project(root: Path, mp: pytest.MonkeyPatch, with_series: bool) -> Project:
+    patches = root / "patches"
+    patches.mkdir(parents=True)
+    shutil.copy(REPO / "patches" / "upstream.toml", patches / "upstream.toml")
+    if with_series:
+        for f in (REPO / "patches").iterdir():
+            if f.name == "series" or f.suffix == ".patch":
+                shutil.copy(f, patches / f.name)
+    for var in ("OPENCOTI_TREE", "OPENCOTI_WORK", "OPENCOTI_PATCHES", "OPENCOTI_LOCK_WAIT"):
+        mp.delenv(var, raising=False)
+    mp.setenv("OPENCOTI_ROOT", str(root))
+    if not os.environ.get("OPENCOTI_SDIST") and (LOCAL_CACHE / "llama_cpp_python-0.3.36.tar.gz").is_file():
+        mp.setenv("OPENCOTI_SDIST", str(LOCAL_CACHE))
+    return Project(root, CliRunner(), Path(), "", Path(), "")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Project]:
+    with pytest.MonkeyPatch.context() as mp:
+        project = _project(tmp_path_factory.mktemp("real"), mp, with_series=True)
+        project.run("prepare")
+        yield project
+
+
+def test_real_prepare_applies_series(prepared: Project) -> None:
+    status = json.loads(prepared.run("status", "--json", "--verify").stdout)
+    assert status["pin"] == PIN and "verified intact" in status["backup"]
+    assert status["unapplied"] == [] and status["dirty"] == [] and status["uncaptured_commits"] == []
+    assert not (prepared.tree / ".git").is_file()
+    assert (prepared.tree / "ggml" / "src" / "ggml.c").is_file()
+    assert "already applied" in prepared.run("apply").stdout
+
+
+def test_real_series_is_snapshot_normalized(prepared: Project) -> None:
+    """patches/ is exactly what `snapshot` writes for the applied tree (else: run snapshot)."""
+    result = prepared.run("snapshot", "--check", code=None)
+    assert result.exit_code == 0, result.output
+
+
+def test_real_markers_audit(prepared: Project) -> None:
+    if importlib.util.find_spec("opencoti_patch.markers") is None:
+        pytest.skip("opencoti_patch.markers is not installed")
+    if not (prepared.patches / "series").is_file():
+        pytest.skip("the series is empty")
+    prepared.run("markers", "--patches-dir", str(prepared.patches), "--tree", str(prepared.tree))
+
+
+def test_real_unapply_restores_pristine(prepared: Project) -> None:
+    prepared.run("unapply")
+    out = prepared.run("backup", "--verify", "--worktree").stdout
+    assert "intact" in out and "worktree: pristine" in out
+
+
+def test_real_rebase_0336_to_0335(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _project(tmp_path, monkeypatch, with_series=False)
+    p.run("prepare")
+    # 1: a file identical in both releases -> clean
+    (p.tree / "LICENSE").write_text((p.tree / "LICENSE").read_text() + "\n// opencoti: note\n")
+    p.run("snapshot", "--new", "license-note", "--subject", "test: note in LICENSE")
+    # 2: a line 0.3.35 has differently -> conflict
+    version = "#define LLAMA_SESSION_VERSION 10"
+    p.edit("include/llama.h", version, version + " // opencoti")
+    p.run("snapshot", "--new", "session-version", "--subject", "test: touch the session version")
+    # 3: an unchanged spot that moved between the releases -> 3-way merge
+    p.edit("include/llama.h", "LLAMA_API void llama_backend_free(void);",
+           "LLAMA_API void llama_backend_free(void); // opencoti")
+    p.run("snapshot", "--new", "backend-free", "--subject", "test: touch llama_backend_free")
+    result = p.run("rebase", "--to", OLD_PIN, "--json", code=None)
+    report = json.loads(result.stdout)
+    statuses = {o["patch"]: o["status"] for o in report["outcomes"]}
+    assert statuses["0001-license-note.patch"] == "clean"
+    assert statuses["0002-session-version.patch"] == "conflicted", statuses
+    assert report["outcomes"][1]["files"] == ["include/llama.h"]
+    text = (p.tree / "include" / "llama.h").read_text()
+    start, end = text.index("<<<<<<<"), text.index(">>>>>>>")
+    end = text.index("\n", end) + 1
+    text = text[:start] + "#define LLAMA_SESSION_VERSION 9 // opencoti\n" + text[end:]
+    (p.tree / "include" / "llama.h").write_text(text)
+    report = json.loads(p.run("rebase", "--continue", "--json", code=None).stdout)
+    statuses = {o["patch"]: o["status"] for o in report["outcomes"]}
+    assert statuses["0002-session-version.patch"] == "resolved"
+    assert statuses["0003-backend-free.patch"] in ("clean", "merged"), statuses
+    assert not report["pending"]
+    out = p.run("snapshot").stdout
+    assert "round trip OK" in out
+    status = json.loads(p.run("status", "--json").stdout)
+    assert status["pin"] == OLD_PIN and len(status["applied"]) == 3
+    p.run("unapply")
+    assert "worktree: pristine" in p.run("backup", "--verify", "--worktree").stdout
