@@ -18,6 +18,24 @@ def cli() -> None:
 
 # Command modules register themselves here (one import + add_command line each).
 # COMMANDS-BEGIN
+from .markers import markers_command  # noqa: E402
+
+cli.add_command(markers_command)
+from .commands import COMMANDS as CORE_COMMANDS  # noqa: E402
+
+for _command in CORE_COMMANDS:
+    cli.add_command(_command)
+from .build_cli import COMMANDS as BUILD_COMMANDS  # noqa: E402
+
+for _command in BUILD_COMMANDS:
+    cli.add_command(_command)
+from .evaluate_cli import COMMANDS as EVAL_COMMANDS  # noqa: E402
+
+for _command in EVAL_COMMANDS:
+    cli.add_command(_command)
+from .loadtest_cli import loadtest_command  # noqa: E402
+
+cli.add_command(loadtest_command)
 # COMMANDS-END
 
 

@@ -9,7 +9,7 @@
 #
 # Inputs (carried in the working tree): .carry/llama-src.tar.gz, a slim pinned tree (top folder
 # llama.cpp/) with the patch series already applied, or pristine plus patches/series to apply here.
-# Stages (default: all): tests bench bench-q8 bench-14b budgets batched identity
+# Stages (default: tests bench budgets bench-q8 bench-14b): also rebuild-cost, test-fa-all
 set -u
 ROOT=$(pwd)
 W=${OPENCOTI_DEVICE_WORK:-/tmp/ocw}
@@ -17,6 +17,12 @@ LOG=$W/log
 SRC=$W/llama.cpp
 BUILD=$W/build
 BIN=$BUILD/bin
+CUDA=${OPENCOTI_DEVICE_CUDA:-1}          # 0: CPU-only dry run of this script on a developer machine
+SHAPES=${OPENCOTI_SHAPES:-8b 14b}        # random-weight models to write (opencoti_patch.synth_gguf)
+M8B=${OPENCOTI_M8B:-$W/m-8b-q4_0.gguf}
+M14B=${OPENCOTI_M14B:-$W/m-14b-q4_0.gguf}
+NGL=99; BACKEND=CUDA0
+[ "$CUDA" = 1 ] || { NGL=0; BACKEND=CPU; }
 
 stage_begin() { echo "$(date +%T) begin $1" >> "$LOG/status"; }
 stage_end()   { echo "$(date +%T) end $1 rc=$2" >> "$LOG/status"; }
@@ -42,22 +48,25 @@ prepare_src() {
 }
 
 build_cuda() {
-    cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
-        -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF \
-        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_UI=OFF &&
+    local gen=() cuda=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
+    command -v ninja >/dev/null && gen=(-G Ninja)
+    [ "$CUDA" = 1 ] || cuda=(-DGGML_NATIVE=OFF -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+    cmake -S "$SRC" -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${cuda[@]}" \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_UI=OFF &&
     cmake --build "$BUILD" -j "$(nproc)" --target llama-bench llama-batched-bench test-backend-ops \
-        llama-cli ${EXTRA_TARGETS:-}
+        test-sparse-attn-kv llama-server ${EXTRA_TARGETS:-}
 }
 
 write_models() {
     export PYTHONPATH=$ROOT
-    python3 -m opencoti_patch.synth_gguf "$W/m8b-q4_0.gguf" --shape 8b --type q4_0 --tree "$SRC" &&
-    python3 -m opencoti_patch.synth_gguf "$W/m14b-q4_0.gguf" --shape 14b --type q4_0 --tree "$SRC"
+    for shape in $SHAPES; do
+        python3 -m opencoti_patch.synth_gguf "$W/m-$shape-q4_0.gguf" --shape "$shape" --type q4_0 --tree "$SRC" || return 1
+    done
 }
 
 bench() { # name model args...
     local name=$1 model=$2; shift 2
-    run_stage "$name" "$BIN/llama-bench" -m "$model" -ngl 99 -fa 1 -p 0 -n 64 -o json "$@"
+    run_stage "$name" "$BIN/llama-bench" -m "$model" -ngl $NGL -fa 1 -p 0 -n 64 -o json "$@"
 }
 
 start() {
@@ -73,17 +82,25 @@ start() {
     for s in "${stages[@]}"; do
         case $s in
         tests)
-            run_stage test-fill   "$BIN/test-backend-ops" -o SPARSE_ATTN_FILL -b CUDA0
-            run_stage test-select "$BIN/test-backend-ops" -o SPARSE_ATTN_SELECT -b CUDA0
-            run_stage test-fa     "$BIN/test-backend-ops" -o FLASH_ATTN_EXT -b CUDA0 ;;
+            run_stage test-fill   "$BIN/test-backend-ops" -o SPARSE_ATTN_FILL -b $BACKEND
+            run_stage test-select "$BIN/test-backend-ops" -o SPARSE_ATTN_SELECT -b $BACKEND
+            run_stage test-fa-sparse "$BIN/test-backend-ops" -o FLASH_ATTN_EXT -p block_size -b $BACKEND
+            run_stage test-kv     "$BIN/test-sparse-attn-kv" -g
+            run_stage perf-ops    "$BIN/test-backend-ops" perf -o SPARSE_ATTN_SELECT -b $BACKEND
+            run_stage perf-fa     "$BIN/test-backend-ops" perf -o FLASH_ATTN_EXT -p block_size -b $BACKEND ;;
+        rebuild-cost)
+            run_stage rebuild-f16 "$BIN/test-sparse-attn-kv" -g --bench 131072 f16 32
+            run_stage rebuild-q8  "$BIN/test-sparse-attn-kv" -g --bench 131072 q8_0 32 ;;
+        test-fa-all)
+            run_stage test-fa     "$BIN/test-backend-ops" -o FLASH_ATTN_EXT -b $BACKEND ;;
         bench)
-            bench bench-f16 "$W/m8b-q4_0.gguf" -r 2 -d 0,8192,32768,65536,131072 -sa 0,1 -sak 32 ;;
+            bench bench-f16 "$M8B" -r 2 -d 0,8192,32768,65536,131072 -sa 0,1 -sak 32 ;;
         budgets)
-            bench bench-budgets "$W/m8b-q4_0.gguf" -r 2 -d 131072 -sa 1 -sak 8,16 ;;
+            bench bench-budgets "$M8B" -r 2 -d 131072 -sa 1 -sak 8,16 ;;
         bench-q8)
-            bench bench-q8 "$W/m8b-q4_0.gguf" -r 2 -ctk q8_0 -ctv q8_0 -d 32768,131072 -sa 0,1 -sak 32 ;;
+            bench bench-q8 "$M8B" -r 2 -ctk q8_0 -ctv q8_0 -d 32768,131072 -sa 0,1 -sak 32 ;;
         bench-14b)
-            bench bench-14b "$W/m14b-q4_0.gguf" -r 2 -d 32768,131072 -sa 0,1 -sak 32 ;;
+            bench bench-14b "$M14B" -r 2 -d 32768,131072 -sa 0,1 -sak 32 ;;
         *) echo "unknown stage $s" >> "$LOG/status" ;;
         esac
     done

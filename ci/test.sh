@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The test command of the README: lint, fast unit tests, then the real-tree and build tests.
+#   ci/test.sh            everything (what CI runs)
+#   ci/test.sh --fast     lint + unit tests only (seconds)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${OPENCOTI_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q -e '.[test]'
+
+"$VENV/bin/ruff" check opencoti_patch tests
+
+if [ "${1:-}" = "--fast" ]; then
+    exec "$VENV/bin/pytest" -q -m "not realtree and not build"
+fi
+exec "$VENV/bin/pytest" -q -ra --durations=15

@@ -1,0 +1,380 @@
+"""Quality gates (evaluate.py): the pure parts need no build or model; the `build` test needs both."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from opencoti_patch import evaluate as ev
+from opencoti_patch.errors import CheckFailed, OpencotiError
+
+FIT = ev.TokenFit(base=40, per_filler=25.0)
+
+
+# --- passkey generator and parsing ----------------------------------------------------------------
+
+
+def test_prompt_places_the_needle_at_the_depth_and_ends_with_the_qa_frame() -> None:
+    p = ev.passkey_prompt(10, 3, "54321")
+    assert p.startswith(ev.PASSKEY_HEADER)
+    assert p.endswith("\nQuestion: What is the pass key?\nAnswer: The pass key is")
+    before, after = p.split("The pass key is 54321. Remember it. ")
+    assert before.count(ev.PASSKEY_FILLER) == 3
+    assert after.count(ev.PASSKEY_FILLER) == 7
+    assert ev.passkey_prompt(4, 0, "1").startswith(ev.PASSKEY_HEADER + "The pass key is 1.")
+    assert ev.passkey_prompt(4, 4, "1").endswith("The pass key is 1. Remember it. " + ev.PASSKEY_QUESTION)
+    with pytest.raises(ValueError):
+        ev.passkey_prompt(4, 5, "1")
+
+
+def test_samples_are_seeded_deterministic_and_cover_depths() -> None:
+    spec = ev.parse_samples_spec("2048:34,4096:34,8192:34")
+    a = ev.passkey_samples(7, spec, FIT)
+    b = ev.passkey_samples(7, spec, FIT)
+    c = ev.passkey_samples(8, spec, FIT)
+    assert a == b
+    assert [s.key for s in a] != [s.key for s in c]
+    assert len(a) == 102 and len({s.sid for s in a}) == 102
+    assert len(ev.passkey_samples(7, {2048: 50, 8192: 20}, FIT)) == 70
+    for n_ctx in (2048, 4096, 8192):
+        group = [s for s in a if s.n_ctx == n_ctx]
+        assert group[0].depth == 0.0 and group[-1].depth == 1.0
+        assert all(len(s.key) == 5 and s.key.isdigit() for s in group)
+        # the prompt is sized to n_ctx - margin by the token fit
+        assert FIT.base + FIT.per_filler * group[0].n_filler <= n_ctx - 64
+        assert FIT.base + FIT.per_filler * (group[0].n_filler + 1) > n_ctx - 64
+    # prompts are a pure function of the sample
+    assert a[5].prompt() == b[5].prompt() and a[5].key in a[5].prompt()
+
+
+@pytest.mark.parametrize("bad", ["", "2048", "2048:x", "a:1"])
+def test_samples_spec_errors(bad: str) -> None:
+    with pytest.raises(OpencotiError):
+        ev.parse_samples_spec(bad)
+
+
+def test_passkey_requests_go_deepest_first_with_prefix_reuse() -> None:
+    group = ev.passkey_samples(1, {2048: 5}, FIT)
+    reqs = ev.passkey_requests(group, 8, reuse=True)
+    depths = [next(s.depth for s in group if s.sid == r["id"]) for r in reqs]
+    assert depths == sorted(depths, reverse=True)
+    assert all(r["reuse_prefix"] == ev.REUSE_ALIGN and r["n_generate"] == 8 for r in reqs)
+    assert ev.REUSE_ALIGN % 128 == 0
+    # consecutive prompts share their text up to the later (shallower) needle
+    a, b = reqs[0]["text"], reqs[1]["text"]
+    common = len(os.path.commonprefix([a, b]))
+    assert b.index("The pass key is") >= common - len("The pass key is ")
+    assert "reuse_prefix" not in ev.passkey_requests(group, 8, reuse=False)[0]
+
+
+def test_token_fit_refuses_a_prompt_without_filler() -> None:
+    with pytest.raises(OpencotiError):
+        ev.TokenFit(base=100, per_filler=30.0).n_filler(120)
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    (" 12345. Remember it.", "12345"),
+    ("12345", "12345"),
+    (" **98765**", "98765"),
+    (" 1234 5", "1234"),
+    (" unknown.", None),
+    ("", None),
+])
+def test_parse_answer(text: str, want: str | None) -> None:
+    assert ev.parse_answer(text) == want
+
+
+# --- configs and budgets ------------------------------------------------------------------------------
+
+
+def test_budget_config_exclusive_and_inclusive() -> None:
+    c = ev.budget_config(2048, 0.25)
+    assert (c.topk, c.sink_blocks, c.recent_blocks) == (4, 1, 3)  # mirrors llama_sparse_attn_params
+    assert c.attended_blocks(2048) == 8 and c.describe(2048)["attended_fraction"] == 0.5
+    assert c.name == "sparse-25%" and c.fraction == 0.25
+    assert ev.budget_config(8192, 0.5).topk == 32
+    assert ev.budget_config(8192, 0.25, accounting="inclusive").topk == 16 - 4
+    with pytest.raises(OpencotiError):
+        ev.budget_config(2048, 0.25, accounting="inclusive")  # 4 blocks - sink - recent = 0
+    args = c.args()
+    assert args[:2] == ["--sparse-attn", "on"]
+    assert args[args.index("--sparse-attn-topk") + 1] == "4"
+    assert args[args.index("--sparse-attn-min-ctx") + 1] == "1"
+    assert ev.DENSE.args() == [] and ev.DENSE.attended_blocks(2048) == 16
+
+
+def test_select_all_covers_every_block() -> None:
+    c = ev.select_all_config(8192)
+    assert c.topk == 64 and c.min_ctx == 1 and c.attended_blocks(8192) == 64
+    assert c.topk + c.sink_blocks + c.recent_blocks >= 64  # the select op's select-all rule
+
+
+def test_window_baseline_attends_as_many_blocks_by_recency() -> None:
+    for n_ctx, f in ((8192, 0.5), (8192, 0.25), (2048, 0.25)):
+        b = ev.budget_config(n_ctx, f)
+        w = ev.window_config(b, n_ctx)
+        assert w.topk == 1 and w.sink == b.sink and w.name == f"window-{f * 100:g}%"
+        assert w.attended_blocks(n_ctx) == b.attended_blocks(n_ctx)
+        assert w.recent_blocks == b.attended_blocks(n_ctx) - b.sink_blocks - 1
+
+
+# --- KL / top-1 math -------------------------------------------------------------------------------------
+
+
+def test_kl_is_zero_for_equal_logits_and_shift_invariant() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 1000)).astype(np.float32)
+    assert np.all(ev.kl_divergence(x, x) == 0.0)
+    assert np.allclose(ev.kl_divergence(x, x + 5.0), 0.0, atol=1e-12)
+
+
+def test_kl_matches_the_definition() -> None:
+    p = np.array([[0.0, 1.0, 2.0]])
+    q = np.array([[2.0, 1.0, 0.0]])
+    pp = np.exp(p) / np.exp(p).sum()
+    qq = np.exp(q) / np.exp(q).sum()
+    want = float((pp * np.log(pp / qq)).sum())
+    assert ev.kl_divergence(p, q)[0] == pytest.approx(want, rel=1e-12)
+    assert ev.kl_divergence(p, q)[0] > 0
+    assert list(ev.top1(np.array([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]]))) == [1, 0]
+
+
+def test_log_softmax_is_stable_for_large_logits() -> None:
+    ls = ev.log_softmax(np.array([[1e4, 0.0, -1e4]], dtype=np.float32))
+    assert np.isfinite(ls).all() and ls[0, 0] == pytest.approx(0.0)
+
+
+def _dump(path: Path, rows: np.ndarray) -> Path:
+    rows.astype(np.float32).tofile(path)
+    return path
+
+
+def test_compare_logits_files(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    n_vocab, steps = 257, 40  # more than one chunk
+    dense = rng.normal(size=(steps, n_vocab)).astype(np.float32)
+    a = _dump(tmp_path / "a.f32", dense)
+    same = _dump(tmp_path / "b.f32", dense.copy())
+    noisy = dense + rng.normal(scale=0.5, size=dense.shape).astype(np.float32)
+    c = _dump(tmp_path / "c.f32", noisy)
+    targets = list(rng.integers(0, n_vocab, size=steps))
+
+    m = ev.compare_logits(a, same, n_vocab, targets)
+    assert m["identical"] and m["kl_max"] == 0.0 and m["top1_agreement"] == 1.0 and m["steps"] == steps
+    assert m["nll"] == m["nll_ref"]
+
+    m = ev.compare_logits(a, c, n_vocab, targets)
+    assert not m["identical"] and m["kl_mean"] > 0 and m["kl_max"] >= m["kl_p95"] >= m["kl_median"]
+    want_agree = float(np.mean(dense.argmax(1) == noisy.argmax(1)))
+    assert m["top1_agreement"] == pytest.approx(want_agree)
+    want_kl = ev.kl_divergence(dense, noisy).mean()
+    assert m["kl_mean"] == pytest.approx(want_kl, rel=1e-9)
+
+    with pytest.raises(OpencotiError):
+        ev.compare_logits(a, _dump(tmp_path / "bad.f32", np.zeros(10)), n_vocab)
+
+
+def test_check_select_all_is_a_hard_failure() -> None:
+    ok = {"runs": [{"config": "select-all", "identical": True, "n_ctx": 8192, "kl_mean": 0.0,
+                    "top1_agreement": 1.0}]}
+    ev.check_select_all(ok)
+    bad = {"runs": [{**ok["runs"][0], "identical": False, "kl_mean": 1e-9}]}
+    with pytest.raises(CheckFailed):
+        ev.check_select_all(bad)
+
+
+# --- summary and report ----------------------------------------------------------------------------
+
+
+def _fake_passkey(dense_wrong: int, sparse_wrong: int) -> tuple[list[ev.PasskeySample], dict[str, Any], dict]:
+    samples = ev.passkey_samples(3, {2048: 5, 4096: 5}, FIT)
+    answers: dict[str, dict[str, str | None]] = {"dense": {}, "sparse-50%": {}, "sparse-25%": {}}
+    for i, s in enumerate(samples):
+        answers["dense"][s.sid] = "0" if i < dense_wrong else s.key
+        answers["sparse-50%"][s.sid] = None if i < sparse_wrong else s.key
+        answers["sparse-25%"][s.sid] = "1" if i % 2 else s.key
+    configs = {"dense": {"sparse": False, "fraction": None, "by_ctx": {}},
+               "sparse-25%": {"sparse": True, "fraction": 0.25,
+                              "by_ctx": {n: ev.budget_config(n, 0.25).describe(n) for n in (2048, 4096)}},
+               "sparse-50%": {"sparse": True, "fraction": 0.5,
+                              "by_ctx": {n: ev.budget_config(n, 0.5).describe(n) for n in (2048, 4096)}}}
+    return samples, answers, configs
+
+
+def test_passkey_summary_gate_and_agreement() -> None:
+    samples, answers, configs = _fake_passkey(dense_wrong=1, sparse_wrong=2)
+    s = ev.passkey_summary(samples, answers, configs)
+    overall = {o["config"]: o for o in s["overall"]}
+    assert overall["dense"]["correct"] == 9 and overall["sparse-50%"]["correct"] == 8
+    assert overall["sparse-50%"]["same"] == 8  # sample 0: "0" vs None, sample 1: key vs None
+    assert s["gate"]["passed"] and [c["config"] for c in s["gate"]["checks"]] == ["sparse-50%"]
+    assert {r["n_ctx"] for r in s["rows"]} == {2048, 4096}
+    row = next(r for r in s["rows"] if r["config"] == "sparse-25%" and r["n_ctx"] == 2048)
+    assert row["topk"] == 4 and row["attended_tokens"] == 1024
+    assert sum(b["n"] for b in s["depth_buckets"]) == 10
+    assert len(s["disagreements"]) >= 2
+
+    samples, answers, configs = _fake_passkey(dense_wrong=0, sparse_wrong=2)
+    assert not ev.passkey_summary(samples, answers, configs)["gate"]["passed"]
+
+
+def test_report_renders_and_json_roundtrips(tmp_path: Path) -> None:
+    samples, answers, configs = _fake_passkey(1, 1)
+    summary = ev.passkey_summary(samples, answers, configs)
+    passkey = {"seed": 3, "per_ctx": {2048: 5, 4096: 5}, "n_samples": 10, "fractions": [0.25, 0.5],
+               "accounting": "exclusive",
+               "n_generate": 8, "token_fit": {"base": 40, "per_filler": 25.0},
+               "prompt_tokens": {2048: {"min": 1980, "max": 1984}, 4096: {"min": 4020, "max": 4030}},
+               "frame": {"header": ev.PASSKEY_HEADER, "filler": ev.PASSKEY_FILLER,
+                         "needle": ev.PASSKEY_NEEDLE, "question": ev.PASSKEY_QUESTION},
+               "configs": configs, "summary": summary, "timings": [{"n_ctx": 2048, "config": "dense",
+                                                                     "seconds": 1.0}],
+               "select_nodes_per_step": {"dense": [0.0], "sparse-50%": [3.0]}, "seconds": 12.0}
+    run = {"n_ctx": 8192, "n_prefill": 7872, "config": "select-all", "steps": 256, "kl_mean": 0.0,
+           "kl_median": 0.0, "kl_p95": 0.0, "kl_max": 0.0, "top1_agreement": 1.0, "top1_disagreements": 0,
+           "identical": True, "nll_ref": 2.5, "nll": 2.5, "cfg": ev.select_all_config(8192).describe(8192)}
+    fidelity = {"steps": 256, "fractions": [0.25, 0.5], "accounting": "exclusive", "docs_dir": "/d",
+                "runs": [run], "timings": [], "seconds": 3.0, "select_all_identical": True}
+    meta = {"model": "m.gguf", "cli": ["opencoti-patch eval all"]}
+    data = ev.merge_results(tmp_path / "r.json", {"passkey": passkey, "fidelity": fidelity, "meta": meta})
+    md = ev.render_report(ev.default_template_dirs(), data)
+    assert "## Passkey retrieval" in md and "## Decode fidelity" in md and "**PASS**" in md
+    assert "| 2048 | 1980–1984 | sparse-25% | 4 | 1024 (50%) |" in md
+    assert "opencoti-patch eval all" in md
+    # a later gate run merges into the same JSON
+    data = ev.merge_results(tmp_path / "r.json", {"fidelity": {**fidelity, "steps": 300}})
+    assert data["passkey"]["n_samples"] == 10 and data["fidelity"]["steps"] == 300
+    only_fid = ev.render_report(ev.default_template_dirs(), {"fidelity": fidelity, "meta": {}})
+    assert "## Passkey retrieval" not in only_fid
+
+
+# --- the harness protocol, with a stand-in executable -------------------------------------------------------
+
+FAKE = r'''#!{python}
+import json, sys
+args = sys.argv[1:]
+reqs = [json.loads(l) for l in open(args[args.index("--batch") + 1]) if l.strip()]
+sparse = "--sparse-attn" in args
+for r in reqs:
+    n_tok = len(r["text"].split())
+    if r.get("tokenize_only"):
+        print(json.dumps({{"id": r["id"], "n_tokens": n_tok}})); continue
+    steps = 1 + max(0, r.get("n_generate", 0) - 1)
+    key = r["text"].split("The pass key is ")[1].split(".")[0]
+    print(json.dumps({{"id": r["id"], "n_tokens": n_tok, "text": " " + key + ".", "decode_steps": steps,
+                      "select_nodes": 3 * steps if sparse else 0, "select_nodes_prefill": 0,
+                      "ms_prefill": 1.0, "ms_decode": 1.0, "n_vocab": 10}}), flush=True)
+'''
+
+
+def _fake_exe(tmp_path: Path) -> Path:
+    exe = tmp_path / "fake-harness"
+    exe.write_text(FAKE.format(python=sys.executable))
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return exe
+
+
+def test_run_passkey_with_a_stand_in_harness(tmp_path: Path) -> None:
+    h = ev.Harness(exe=_fake_exe(tmp_path), model=tmp_path / "m.gguf", log_dir=tmp_path / "logs")
+    out = ev.run_passkey(h, seed=1, per_ctx={2048: 4}, fractions=[0.25, 0.5], accounting="exclusive",
+                         show_progress=False)
+    assert out["n_samples"] == 4 and out["summary"]["gate"]["passed"]
+    assert {o["config"]: o["correct"] for o in out["summary"]["overall"]} == {
+        "dense": 4, "sparse-25%": 4, "sparse-50%": 4}
+    per_step = out["select_nodes_per_step"]
+    assert per_step["sparse-50%"] == [3.0] and per_step["dense"] == [0.0]
+    assert any("--sparse-attn-topk 4" in c for c in h.commands)
+    json.dumps(ev._jsonable(out))
+
+
+def test_finished_runs_are_cached_and_resumed(tmp_path: Path) -> None:
+    exe = _fake_exe(tmp_path)
+    h = ev.Harness(exe=exe, model=tmp_path / "m.gguf", cache_dir=tmp_path / "cache")
+    req = [{"id": "x", "text": ev.passkey_prompt(3, 1, "12345"), "n_generate": 4}]
+    first = h.run(req, 2048, ev.DENSE, "dense")
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+    seen: list[dict[str, Any]] = []
+    exe_mtime = exe.stat().st_mtime_ns
+    exe.write_text("#!/bin/sh\nexit 9\n")  # would fail if run again ...
+    os.utime(exe, ns=(exe_mtime, exe_mtime))  # ... but the same binary (path + mtime) hits the cache
+    again = h.run(req, 2048, ev.DENSE, "dense", seen.append)
+    assert again.results == first.results and seen == first.results
+    with pytest.raises(OpencotiError):  # other flags: a new run
+        h.run(req, 4096, ev.DENSE, "dense")
+
+
+def test_progress_lines_for_logs(capsys: pytest.CaptureFixture[str]) -> None:
+    bar = ev._LineBar(20, "passkey")
+    for _ in range(20):
+        bar.update(1)
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("passkey: 20/20 (100%)") and 2 <= len(err) <= 11
+
+
+def test_a_sparse_run_without_select_nodes_is_an_error(tmp_path: Path) -> None:
+    exe = _fake_exe(tmp_path)
+    exe.write_text(exe.read_text().replace("3 * steps if sparse else 0", "0"))
+    h = ev.Harness(exe=exe, model=tmp_path / "m.gguf")
+    req = [{"id": "x", "text": ev.passkey_prompt(3, 1, "12345"), "n_generate": 4}]
+    h.run(req, 2048, ev.DENSE, "dense")
+    with pytest.raises(CheckFailed, match="not active"):
+        h.run(req, 2048, ev.budget_config(2048, 0.5), "sparse")
+
+
+def test_a_failing_harness_reports_its_stderr(tmp_path: Path) -> None:
+    exe = tmp_path / "bad"
+    exe.write_text("#!/bin/sh\necho 'error: boom' >&2\nexit 3\n")
+    exe.chmod(0o755)
+    h = ev.Harness(exe=exe, model=tmp_path / "m.gguf")
+    with pytest.raises(OpencotiError, match="boom"):
+        h.run([{"id": "x", "text": "t"}], 512, ev.DENSE, "x")
+
+
+def test_llama_arg_env_does_not_leak_into_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LLAMA_ARG_SPARSE_ATTN", "on")
+    monkeypatch.setenv("OTHER", "1")
+    env = ev.clean_env()
+    assert "LLAMA_ARG_SPARSE_ATTN" not in env and env["OTHER"] == "1"
+
+
+def test_fidelity_text_is_ordered_and_cut(tmp_path: Path) -> None:
+    (tmp_path / "b.md").write_text("B" * 50)
+    (tmp_path / "a.md").write_text("A" * 50)
+    (tmp_path / "c.txt").write_text("C")
+    text, used = ev.fidelity_text(tmp_path, 60)
+    assert used == ["a.md", "b.md"] and text.startswith("A" * 50 + "\n\n") and len(text) == 60
+    empty = tmp_path / "none"
+    empty.mkdir()
+    with pytest.raises(OpencotiError):
+        ev.fidelity_text(empty, 10)
+
+
+# --- the real thing (needs the patched build + harness + model) -----------------------------------------
+
+BUILD = Path(os.environ.get("OPENCOTI_EVAL_BUILD", "/work/build-eval"))
+HARNESS = BUILD / "opencoti-harness" / ev.BATCH_EXE
+
+
+@pytest.mark.build
+@pytest.mark.skipif(not HARNESS.is_file(), reason=f"no {HARNESS}")
+def test_real_select_all_equals_dense_and_sparse_is_active(tmp_path: Path) -> None:
+    try:
+        model = ev.find_model(None)
+    except OpencotiError:
+        pytest.skip("no model")
+    h = ev.Harness(exe=HARNESS, model=model)
+    docs = Path("/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/docs")
+    if not docs.is_dir():
+        pytest.skip("no docs text")
+    fid = ev.run_fidelity(h, docs_dir=docs, contexts=[1024], steps=16, fractions=[0.25],
+                          accounting="exclusive", work_dir=tmp_path, show_progress=False)
+    ev.check_select_all(fid)
+    by = {r["config"]: r for r in fid["runs"]}
+    assert by["select-all"]["select_nodes_per_step"] > 0 and by["sparse-25%"]["select_nodes_per_step"] > 0

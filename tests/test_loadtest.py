@@ -1,0 +1,291 @@
+"""Serving load-test driver (loadtest.py) against a fake llama-server: the checks pass on a clean
+server and fail on a 500, an invalid SSE chunk, a request's text fed to another, non-determinism."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from opencoti_patch import loadtest as lt
+from opencoti_patch.cli import cli
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_llama_server import FakeLlamaServer, Faults  # noqa: E402
+
+WORDS = " ".join(f"word{i} lorem ipsum dolor sit amet." for i in range(6000))
+
+
+def small_cfg(**kw: Any) -> lt.LoadConfig:
+    base: dict[str, Any] = dict(
+        requests=30,
+        concurrency=4,
+        min_tokens=60,
+        max_tokens=140,
+        n_predict=5,
+        seed=3,
+        stream_frac=0.6,
+        cancel_frac=0.4,
+        cancel_chunks=(1, 2),
+        v1_frac=0.4,
+        repeat_frac=0.2,
+        time_limit_s=60.0,
+        request_timeout_s=20.0,
+        rss_interval_s=0.05,
+        isolated=3,
+    )
+    base.update(kw)
+    return lt.LoadConfig(**base)
+
+
+def word_tokenizer(text: str) -> int:
+    return len(text.split()) + 1
+
+
+@pytest.fixture(params=["requests", "http.client"])
+def transport(request: pytest.FixtureRequest) -> lt.Transport:
+    return lt.default_transport(str(request.param))
+
+
+def run_against(faults: Faults, transport: lt.Transport, **kw: Any) -> dict[str, Any]:
+    with FakeLlamaServer(faults) as srv:
+        res = lt.run_variants(
+            [lt.Variant("fake", [])],
+            small_cfg(**kw),
+            WORDS,
+            transport,
+            server=None,
+            url=srv.url,
+            log_dir=None,
+            progress=lambda m: None,
+        )
+    summary: dict[str, Any] = res["summaries"][0]
+    return summary
+
+
+# --- schedule ---------------------------------------------------------------------------------------------
+
+
+def test_plan_is_seeded_within_bounds_with_unique_markers_and_far_repeats() -> None:
+    cfg = small_cfg(requests=40)
+    a = lt.plan(WORDS, cfg, word_tokenizer)
+    b = lt.plan(WORDS, cfg, word_tokenizer)
+    assert [(j.spec.prompt, j.endpoint, j.stream, j.cancel_after, j.repeat_of) for j in a] == [
+        (j.spec.prompt, j.endpoint, j.stream, j.cancel_after, j.repeat_of) for j in b
+    ]
+    assert len(a) == 40 and [j.pos for j in a] == list(range(40))
+    uniques = [j for j in a if j.repeat_of is None]
+    assert len(uniques) == 32
+    assert len({j.spec.rid for j in uniques}) == 32 and len({j.spec.prompt for j in uniques}) == 32
+    for j in uniques:
+        assert 60 <= j.spec.n_tokens <= 140 and j.spec.n_tokens == word_tokenizer(j.spec.prompt)
+        assert lt.MARKER_RE.findall(j.spec.prompt) == [j.spec.rid] * 3
+        assert j.cancel_after is None or j.stream
+    for j in a:
+        if j.repeat_of is not None:
+            orig = a[j.repeat_of]
+            assert orig.spec is j.spec and orig.cancel_after is None and j.cancel_after is None
+            assert j.pos - orig.pos >= 2 * cfg.concurrency + 1
+    assert any(j.cancel_after for j in a) and any(j.endpoint == "v1" for j in a)
+    assert lt.plan(WORDS, small_cfg(requests=40, seed=4), word_tokenizer)[0].spec.prompt != a[0].spec.prompt
+
+
+def test_shared_prefix_is_common_and_slices_differ() -> None:
+    jobs = lt.plan(
+        WORDS,
+        small_cfg(requests=10, shared_prefix_tokens=40, min_tokens=110, repeat_frac=0.0),
+        word_tokenizer,
+    )
+    prefixes = {j.spec.prompt.split("\n\n=== document")[0] for j in jobs}
+    assert len(prefixes) == 1 and 30 <= word_tokenizer(prefixes.pop()) - 1 <= 40
+
+
+def test_config_validation() -> None:
+    with pytest.raises(lt.LoadTestError):
+        small_cfg(min_tokens=200, max_tokens=100).validate()
+    with pytest.raises(lt.LoadTestError):
+        small_cfg(shared_prefix_tokens=50).validate()
+    with pytest.raises(lt.LoadTestError):
+        lt.parse_variant("no equals sign")
+    assert lt.parse_variant("sparse=--sparse-attn on --sparse-attn-topk 8").args == [
+        "--sparse-attn",
+        "on",
+        "--sparse-attn-topk",
+        "8",
+    ]
+
+
+# --- checks against the fake server -------------------------------------------------------------------
+
+
+def test_clean_server_passes_every_check(transport: lt.Transport) -> None:
+    s = run_against(Faults(chunk_delay_s=0.001), transport)
+    assert s["passed"], s["checks"]
+    assert s["with_errors"] == 0 and s["http_5xx"] == 0 and s["skipped"] == 0
+    assert s["cancelled"] > 0 and s["streamed"] > s["cancelled"] and s["v1"] > 0
+    assert s["determinism"]["pairs"] > 0 and s["determinism"]["mismatches"] == 0
+    assert s["isolated"]["requests"] == 4 and s["isolated"]["determinism"]["pairs"] == 1
+    assert s["completed"] == s["requests"] - s["cancelled"]
+    n_echo, n_final = s["echo_exact"].split("/")
+    assert n_echo == n_final and int(n_final) > 0
+    assert s["generated_tokens"] == 5 * s["completed"] and s["decode_tps_per_request"] == pytest.approx(500.0)
+
+
+def test_a_500_fails_no_5xx(transport: lt.Transport) -> None:
+    s = run_against(Faults(status_500_calls={3, 7}), transport)
+    assert not s["passed"] and not s["checks"]["no_5xx"] and s["http_5xx"] == 2
+    assert "Failed to parse input" in json.dumps(s["errors_sample"])
+
+
+def test_an_invalid_sse_chunk_fails_valid_json(transport: lt.Transport) -> None:
+    s = run_against(Faults(bad_json_chunk=True), transport)
+    assert not s["passed"] and not s["checks"]["valid_json"]
+    assert s["error_kinds"]["valid_json"] > 0
+    assert s["checks"]["no_5xx"]
+
+
+def test_text_fed_to_another_request_fails_attribution(transport: lt.Transport) -> None:
+    s = run_against(Faults(leak=True), transport, concurrency=1)
+    assert not s["checks"]["attribution"] and s["error_kinds"]["attribution"] > 0
+
+
+def test_nondeterministic_output_fails_the_isolated_check(transport: lt.Transport) -> None:
+    s = run_against(Faults(nondeterministic=True), transport)
+    assert not s["checks"]["isolated_deterministic"] and not s["passed"]
+    assert s["determinism"]["mismatches"] > 0  # reported under load too ...
+    assert "deterministic_under_load" not in s["checks"]  # ... but only a check when strict
+    strict = run_against(Faults(nondeterministic=True), transport, strict_load_determinism=True)
+    assert not strict["checks"]["deterministic_under_load"]
+
+
+def test_time_limit_skips_the_rest() -> None:
+    s = run_against(Faults(chunk_delay_s=0.02), lt.default_transport(), time_limit_s=0.3, isolated=0)
+    assert 0 < s["skipped"] < s["requests"] and not s["checks"]["all_started"]
+
+
+def _two_servers(salt_b: str) -> list[dict[str, Any]]:
+    cfg = small_cfg(requests=16, isolated=2)
+    t = lt.default_transport()
+    runs: dict[str, dict[str, Any]] = {}
+    with FakeLlamaServer(Faults()) as a, FakeLlamaServer(Faults(salt=salt_b)) as b:
+        jobs = lt.plan(WORDS, cfg, lt.server_tokenizer(t, a.url))
+        for name, srv in (("dense", a), ("selectall", b)):
+            runs[name] = lt.run_load(t, srv.url, jobs, cfg)
+            runs[name]["isolated"] = lt.run_isolated(t, srv.url, jobs, cfg)
+    return lt.evaluate_pairs(runs, [("selectall", "dense")], [("dense", "selectall")])
+
+
+def test_expect_equal_passes_on_identical_servers_and_fails_otherwise() -> None:
+    same = _two_servers("")
+    assert same[0]["passed"] and same[0]["isolated"]["identical"] == 3 and same[0]["load"]["different"] == 0
+    diff = _two_servers("other model")
+    assert not diff[0]["passed"] and diff[0]["isolated"]["different"] == 3
+    assert diff[1]["passed"] and not diff[1]["required"]  # --compare only reports
+
+
+# --- RSS ------------------------------------------------------------------------------------------------
+
+
+def test_rss_summary_measures_growth_after_warmup() -> None:
+    samples = [(0.0, 100 * 1024, 0), (1.0, 400 * 1024, 2), (2.0, 420 * 1024, 5), (3.0, 500 * 1024, 9)]
+    r = lt.rss_summary(samples, warmup_done=2)
+    assert r is not None
+    assert (r["start_mib"], r["warm_mib"], r["peak_mib"], r["end_mib"]) == (100.0, 400.0, 500.0, 500.0)
+    assert r["growth_after_warmup_mib"] == 100.0
+    assert lt.rss_summary([], 1) is None
+    run = {"outcomes": [], "wall_s": 1.0, "rss_samples": samples}
+    assert not lt.summarize("x", run, small_cfg(rss_growth_mib=64), {})["checks"]["rss_flat"]
+    assert lt.summarize("x", run, small_cfg(rss_growth_mib=400), {})["checks"]["rss_flat"]
+
+
+def test_rss_sampler_reads_proc() -> None:
+    import os
+
+    assert (lt.RssSampler.read_rss_kib(os.getpid()) or 0) > 1000
+    assert lt.RssSampler.read_rss_kib(2**22 + 12345) is None
+
+
+# --- spawning a "server" and the CLI -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_binary(tmp_path: Path) -> Iterator[Path]:
+    exe = tmp_path / "llama-server"
+    exe.write_text(
+        f'#!/bin/sh\nexec {sys.executable} {Path(__file__).parent / "fake_llama_server.py"} "$@"\n'
+    )
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    yield exe
+
+
+def test_main_spawns_the_server_and_writes_reports(fake_binary: Path, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.md"
+    corpus.write_text(WORDS)
+    out = tmp_path / "out" / "serving.json"
+    md = tmp_path / "out" / "serving.md"
+    code = lt.main(
+        [
+            "--server",
+            str(fake_binary),
+            "--model",
+            "m.gguf",
+            "--requests",
+            "12",
+            "--concurrency",
+            "4",
+            "--min-tokens",
+            "40",
+            "--max-tokens",
+            "80",
+            "--n-predict",
+            "3",
+            "--isolated",
+            "2",
+            "--corpus",
+            str(corpus),
+            "--variant",
+            "dense=--sparse-attn off",
+            "--variant",
+            "selectall=--sparse-attn on --sparse-attn-topk 100000",
+            "--expect-equal",
+            "selectall:dense",
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+        ]
+    )
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["passed"] and [s["name"] for s in data["summaries"]] == ["dense", "selectall"]
+    for s in data["summaries"]:
+        assert s["rss"] and s["rss"]["samples"] >= 2 and s["server"]["alive_after"]
+        assert "--port" in s["server"]["cmd"] and "127.0.0.1" in s["server"]["cmd"]
+    assert "--sparse-attn-topk 100000" in data["summaries"][1]["server"]["cmd"]
+    assert len(data["schedule"]) == 12 and len(data["outcomes"]["dense"]) == 12
+    assert (out.parent / "dense.server.log").exists()
+    assert "| requests (started / completed) |" in md.read_text()
+
+
+def test_main_reports_a_server_that_dies(tmp_path: Path) -> None:
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\necho 'error: unknown argument' >&2\nexit 1\n")
+    exe.chmod(0o755)
+    corpus = tmp_path / "corpus.md"
+    corpus.write_text(WORDS)
+    assert lt.main(["--server", str(exe), "--model", "m.gguf", "--corpus", str(corpus)]) == lt.EXIT_ERROR
+
+
+def test_cli_forwards_to_the_driver() -> None:
+    r = CliRunner().invoke(cli, ["loadtest", "--help"])
+    assert r.exit_code == 0 and "--sparse-attn" in r.output and "--expect-equal" in r.output
+    r = CliRunner().invoke(
+        cli, ["loadtest", "--url", "http://127.0.0.1:9", "--variant", "a=", "--variant", "b="]
+    )
+    assert r.exit_code == lt.EXIT_ERROR
