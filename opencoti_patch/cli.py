@@ -36,6 +36,10 @@ for _command in EVAL_COMMANDS:
 from .loadtest_cli import loadtest_command  # noqa: E402
 
 cli.add_command(loadtest_command)
+from .bench_cli import COMMANDS as BENCH_COMMANDS  # noqa: E402
+
+for _command in BENCH_COMMANDS:
+    cli.add_command(_command)
 # COMMANDS-END
 
 

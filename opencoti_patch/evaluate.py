@@ -209,7 +209,8 @@ class Harness:
             for r in data["results"]:
                 if on_result is not None:
                     on_result(r)
-            return RunResult(label, n_ctx, cfg, data["results"], data["seconds"], data["llama_log"])
+            return RunResult(label, n_ctx, cfg, data["results"], data["seconds"], data["llama_log"],
+                             cached=True)
         with tempfile.TemporaryDirectory(prefix="opencoti-eval-") as tmp:
             batch = Path(tmp) / "requests.jsonl"
             batch.write_text("".join(json.dumps(r) + "\n" for r in requests))
@@ -262,9 +263,10 @@ class RunResult:
     results: list[dict[str, Any]]
     seconds: float
     llama_log: list[str]
+    cached: bool = False  # taken from Harness.cache_dir (seconds = when it ran)
 
     def timing(self) -> dict[str, Any]:
-        return {"n_ctx": self.n_ctx, "config": self.cfg.name, "seconds": self.seconds,
+        return {"n_ctx": self.n_ctx, "config": self.cfg.name, "seconds": self.seconds, "cached": self.cached,
                 "requests": len(self.results),
                 "ms_prefill": sum(float(r.get("ms_prefill", 0.0)) for r in self.results),
                 "ms_decode": sum(float(r.get("ms_decode", 0.0)) for r in self.results),
@@ -586,6 +588,8 @@ def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractio
             raw.setdefault(cfg.name, {})[r["id"]] = {k: r.get(k) for k in ("n_tokens", "text", "select_nodes",
                                                                              "decode_steps", "reused")}
     summary = passkey_summary(samples, answers, configs)
+    for d in summary["disagreements"]:  # what each config actually generated there
+        d["texts"] = {name: raw[name][d["sid"]]["text"] for name in raw if d["sid"] in raw[name]}
     prompt_tokens = {n: sorted(raw["dense"][s.sid]["n_tokens"] for s in samples if s.n_ctx == n)
                      for n in contexts}
     return {

@@ -202,4 +202,19 @@ def all_cmd(**o: Any) -> None:
     _run(["passkey", "fidelity"], o)
 
 
+@eval_group.command("report")
+@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("docs/results"),
+              show_default=True)
+@click.option("--name", default="quality-gemma3-270m", show_default=True)
+def report_cmd(out_dir: Path, name: str) -> None:
+    """Render <out-dir>/<name>.md again from its .json (after a template change)."""
+    json_path = out_dir / f"{name}.json"
+    if not json_path.is_file():
+        raise OpencotiError(f"no {json_path}")
+    data = ev.merge_results(json_path, {})
+    md_path = out_dir / f"{name}.md"
+    md_path.write_text(ev.render_report(ev.default_template_dirs(), data))
+    info(f"wrote {md_path}")
+
+
 COMMANDS = [eval_group]

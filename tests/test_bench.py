@@ -74,3 +74,24 @@ def test_write_llama_gguf_roundtrip(tmp_path: Path, wtype: str) -> None:
     # deterministic: same seed, same bytes
     again = write_llama_gguf(tmp_path / "m2.gguf", shape, wtype, seed=1)
     assert path.read_bytes() == again.read_bytes()
+
+
+def test_bench_report_cli(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from opencoti_patch.cli import cli
+
+    logs = tmp_path / "log"
+    logs.mkdir()
+    (logs / "bench-f16.log").write_text(json.dumps([_rec(131072, 0, 100.0), _rec(131072, 1, 250.0)]))
+    (logs / "test-fill.log").write_text("not json")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["bench", "report", str(logs), "--out-dir", str(out), "--name", "x"])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "x.json").read_text())
+    assert data[0]["ratio"] == pytest.approx(2.5)
+    assert "**2.50×**" in (out / "x-table.md").read_text()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = CliRunner().invoke(cli, ["bench", "report", str(empty), "--out-dir", str(out)])
+    assert res.exit_code != 0 and "no llama-bench results" in res.output

@@ -228,6 +228,7 @@ def test_passkey_summary_gate_and_agreement() -> None:
 def test_report_renders_and_json_roundtrips(tmp_path: Path) -> None:
     samples, answers, configs = _fake_passkey(1, 1)
     summary = ev.passkey_summary(samples, answers, configs)
+    summary["disagreements"][0]["texts"] = {"dense": " 0.\n", "sparse-50%": " a key"}
     passkey = {"seed": 3, "per_ctx": {2048: 5, 4096: 5}, "n_samples": 10, "fractions": [0.25, 0.5],
                "accounting": "exclusive",
                "n_generate": 8, "token_fit": {"base": 40, "per_filler": 25.0},
@@ -248,6 +249,7 @@ def test_report_renders_and_json_roundtrips(tmp_path: Path) -> None:
     assert "## Passkey retrieval" in md and "## Decode fidelity" in md and "**PASS**" in md
     assert "| 2048 | 1980–1984 | sparse-25% | 4 | 1024 (50%) |" in md
     assert "opencoti-patch eval all" in md
+    assert "sparse-50%: ` a key`" in md and "dense: ` 0.\\n`" in md
     # a later gate run merges into the same JSON
     data = ev.merge_results(tmp_path / "r.json", {"fidelity": {**fidelity, "steps": 300}})
     assert data["passkey"]["n_samples"] == 10 and data["fidelity"]["steps"] == 300
