@@ -16,4 +16,14 @@ fi
 if [ "${1:-}" = "--fast" ]; then
     exec "$VENV/bin/pytest" -q -m "not realtree and not build"
 fi
+# Build tests need a pristine llama.cpp source: the pinned sdist (downloaded once, sha256-checked,
+# extracted safely) unless OPENCOTI_PRISTINE already names one.
+if [ -z "${OPENCOTI_PRISTINE:-}" ]; then
+    PRISTINE=${OPENCOTI_CI_WORK:-$PWD/work/ci}/pristine
+    if [ ! -f "$PRISTINE/CMakeLists.txt" ]; then
+        rm -rf "$PRISTINE"
+        "$VENV/bin/opencoti-patch" fetch --work-dir "$(dirname "$PRISTINE")" --tree "$PRISTINE"
+    fi
+    export OPENCOTI_PRISTINE=$PRISTINE
+fi
 exec "$VENV/bin/pytest" -q -ra --durations=15

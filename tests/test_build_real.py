@@ -137,3 +137,16 @@ def test_rebuild_manifest_stamp_install(cfg: ident.VerifyConfig, pristine: b.Bui
     assert (out_dir / b.MANIFEST_MD).read_text().count("`lib") >= 4
     for d in installs:
         assert (d / "libllama.so").exists() and (d / b.MANIFEST_JSON).is_file()
+
+
+@needs_source
+def test_real_series_is_default_off(cfg: ident.VerifyConfig, pristine: b.BuildResult, tmp_path: Path) -> None:
+    """The sparse-attention series of this repository, feature off: same logits, graph and buffers."""
+    names = [ln.strip() for ln in (ROOT / "patches" / "series").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    assert names, "patches/series is empty"
+    patches = tuple(ROOT / "patches" / n for n in names)
+    data = ident.verify_identical(replace(cfg, patch_files=patches), TEMPLATES, tmp_path / "report")
+    assert data["verdict"] == "PASS", [(c["name"], c["summary"]) for c in data["checks"] if not c["passed"]]
+    behaviour = [c for c in data["checks"] if c["stage"] == "behaviour"]
+    assert behaviour and all(c["passed"] for c in behaviour)
