@@ -19,7 +19,16 @@
 # CUDA_ARCH (default 90), VERIFY_ARGS / REBUILD_ARGS (extra arguments for those commands).
 set -euo pipefail
 
-OC=${OPENCOTI:-opencoti-patch}
+if [ -z "${OPENCOTI:-}" ]; then
+    # first use after cloning: a venv with this package (same as ci/test.sh)
+    VENV=${OPENCOTI_VENV:-.venv}
+    if [ ! -x "$VENV/bin/opencoti-patch" ]; then
+        [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+        "$VENV/bin/python" -m pip install -q -e .
+    fi
+    OPENCOTI=$VENV/bin/opencoti-patch
+fi
+OC=$OPENCOTI
 export OPENCOTI_WORK=${OPENCOTI_WORK:-$PWD/work}
 ARTIFACTS=${ARTIFACTS:-$OPENCOTI_WORK/artifacts}
 CUDA=${CUDA:-0}
@@ -54,7 +63,7 @@ stage() {
     echo "stage $1: ok ($((SECONDS - t0)) s)"
 }
 
-stage_fetch()   { "$OC" fetch; }
+stage_fetch()   { if [ -e "$TREE" ]; then echo "tree exists: $TREE (fetch skipped)"; else "$OC" fetch; fi; }
 stage_backup()  { "$OC" backup; "$OC" backup --verify; }
 stage_apply()   { "$OC" apply; }
 stage_markers() { "$OC" markers --tree "$TREE"; }
