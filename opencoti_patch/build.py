@@ -307,7 +307,7 @@ def changed_files(a: Path, b: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class BuildOptions:
-    targets: tuple[str, ...] = (*LIB_TARGETS, *TOOL_TARGETS)
+    targets: tuple[str, ...] = (*LIB_TARGETS, *TOOL_TARGETS, *OPTIONAL_TARGETS)
     optional_targets: tuple[str, ...] = OPTIONAL_TARGETS
     cuda: bool = False
     cuda_arch: str = "90-real"

@@ -150,3 +150,26 @@ def test_real_series_is_default_off(cfg: ident.VerifyConfig, pristine: b.BuildRe
     assert data["verdict"] == "PASS", [(c["name"], c["summary"]) for c in data["checks"] if not c["passed"]]
     behaviour = [c for c in data["checks"] if c["stage"] == "behaviour"]
     assert behaviour and all(c["passed"] for c in behaviour)
+
+
+@needs_source
+def test_sparse_attn_cpu_selfchecks(cfg: ident.VerifyConfig, pristine: b.BuildResult) -> None:
+    """The series' own C++ tests on the CPU: the kernels against naive references (test-sparse-attn) and
+    the key-bounds side-cache after KV-cache operations, select-all == dense (test-sparse-attn-kv)."""
+    names = [ln.strip() for ln in (ROOT / "patches" / "series").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    patches = [ROOT / "patches" / n for n in names]
+    # the tests link the CPU backend directly: a non-DL build
+    opts = replace(cfg.options, targets=("test-sparse-attn", "test-sparse-attn-kv"), optional_targets=(),
+                   extra_cmake=("-DGGML_BACKEND_DL=OFF", "-DLLAMA_BUILD_TESTS=ON"))
+    ident.prepare_source(cfg, "selfcheck", *cfg.pristine, patches=patches)
+    res = ident.build_label(cfg, "selfcheck", opts)
+    out = subprocess.run([str(res.bin / "test-sparse-attn")], capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert " 0 failed" in out.stdout + out.stderr
+    # one head size keeps CI time down; all three run in the series' ctest
+    kv = subprocess.run([str(res.bin / "test-sparse-attn-kv"), "hd=128"], capture_output=True, text=True,
+                        timeout=1800)
+    log = kv.stdout + kv.stderr
+    assert kv.returncode == 0 and "all OK" in log, log[-4000:]
+    assert log.count(" OK") >= 4, log[-4000:]
