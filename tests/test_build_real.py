@@ -20,6 +20,7 @@ import pytest
 
 from opencoti_patch import build as b
 from opencoti_patch import identical as ident
+from opencoti_patch.series import read_series
 
 pytestmark = pytest.mark.build
 
@@ -142,8 +143,7 @@ def test_rebuild_manifest_stamp_install(cfg: ident.VerifyConfig, pristine: b.Bui
 @needs_source
 def test_real_series_is_default_off(cfg: ident.VerifyConfig, pristine: b.BuildResult, tmp_path: Path) -> None:
     """The sparse-attention series of this repository, feature off: same logits, graph and buffers."""
-    names = [ln.strip() for ln in (ROOT / "patches" / "series").read_text().splitlines()
-             if ln.strip() and not ln.startswith("#")]
+    names = read_series(ROOT / "patches")
     assert names, "patches/series is empty"
     patches = tuple(ROOT / "patches" / n for n in names)
     data = ident.verify_identical(replace(cfg, patch_files=patches), TEMPLATES, tmp_path / "report")
@@ -156,9 +156,7 @@ def test_real_series_is_default_off(cfg: ident.VerifyConfig, pristine: b.BuildRe
 def test_sparse_attn_cpu_selfchecks(cfg: ident.VerifyConfig, pristine: b.BuildResult) -> None:
     """The series' own C++ tests on the CPU: the kernels against naive references (test-sparse-attn) and
     the key-bounds side-cache after KV-cache operations, select-all == dense (test-sparse-attn-kv)."""
-    names = [ln.strip() for ln in (ROOT / "patches" / "series").read_text().splitlines()
-             if ln.strip() and not ln.startswith("#")]
-    patches = [ROOT / "patches" / n for n in names]
+    patches = [ROOT / "patches" / n for n in read_series(ROOT / "patches")]
     # the tests link the CPU backend directly: a non-DL build
     opts = replace(cfg.options, targets=("test-sparse-attn", "test-sparse-attn-kv"), optional_targets=(),
                    extra_cmake=("-DGGML_BACKEND_DL=OFF", "-DLLAMA_BUILD_TESTS=ON"))
