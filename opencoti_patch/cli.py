@@ -40,6 +40,10 @@ from .bench_cli import COMMANDS as BENCH_COMMANDS  # noqa: E402
 
 for _command in BENCH_COMMANDS:
     cli.add_command(_command)
+from .selector_cli import COMMANDS as SELECTOR_COMMANDS  # noqa: E402
+
+for _command in SELECTOR_COMMANDS:
+    cli.add_command(_command)
 # COMMANDS-END
 
 

@@ -74,22 +74,23 @@ def harness_source() -> Path:
     return Path(__file__).resolve().parent.parent / "harness"
 
 
-def build_harness(llama_src: Path, llama_bin: Path, build_dir: Path, jobs: int = 2) -> Path:
-    """Configure + build the harness project against a llama.cpp build (its ``bin/`` with libllama-common)."""
+def build_harness(llama_src: Path, llama_bin: Path, build_dir: Path, jobs: int = 2,
+                  target: str = BATCH_EXE) -> Path:
+    """Configure + build a harness program against a llama.cpp build (its ``bin/`` with libllama-common)."""
     src = harness_source()
     if not (src / "CMakeLists.txt").is_file():
         raise OpencotiError(f"harness sources not found at {src}")
     cmds = [
         ["cmake", "-S", str(src), "-B", str(build_dir), f"-DLLAMA_SRC={llama_src}",
          f"-DLLAMA_BIN={llama_bin}", "-DCMAKE_BUILD_TYPE=Release"],
-        ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", BATCH_EXE],
+        ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", target],
     ]
     for cmd in cmds:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
             raise OpencotiError(f"harness build failed: {' '.join(cmd)}\n{tail}")
-    exe = build_dir / BATCH_EXE
+    exe = build_dir / target
     if not exe.is_file():
         raise OpencotiError(f"harness build produced no {exe}")
     return exe

@@ -245,3 +245,21 @@ def load_dump(dump_dir: Path, layer: int) -> tuple[np.ndarray, np.ndarray]:
     if not qp.is_file() or not kp.is_file():
         raise OpencotiError(f"no Q/K dump for layer {layer} in {dump_dir} (run opencoti-qk-dump)")
     return np.load(qp), np.load(kp)
+
+
+def aggregate(per_layer: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Pool :func:`layer_recall` results of several texts and layers (equal query counts): per share and
+    selector, the mean kept mass, the mean and the mean per-layer p10 of its share of the oracle's mass,
+    and the mean share of the oracle top-k's mass (outside sink/recent) that its top-k holds."""
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for res in per_layer.values():
+        for share, v in res.items():
+            for name in v["values"]:
+                acc = out.setdefault(share, {}).setdefault(name, {"mass": [], "of_oracle": [],
+                                                                  "of_oracle_p10": [], "selected": []})
+                acc["mass"].append(v["values"][name]["mean"])
+                acc["of_oracle"].append(v["of_oracle"][name]["mean"])
+                acc["of_oracle_p10"].append(v["of_oracle"][name]["p10"])
+                acc["selected"].append(v["selected"][name]["mean"])
+    return {share: {name: {k: float(np.mean(x)) for k, x in acc.items()} for name, acc in row.items()}
+            for share, row in out.items()}
