@@ -80,14 +80,17 @@ def variants_for(n_ctx: int, shares: Sequence[float], fixed_tokens: Sequence[int
     """dense, sparse at each share of the context and at each smaller fixed budget, the window of the first
     share."""
     out = [Variant("dense", AttnConfig("dense"))]
-    for share in shares:
-        out.append(sparse_variant(n_ctx, round(share * n_ctx), f"sparse-{share * 100:g}%"))
+    min_tokens = (sparse_variant(n_ctx, n_ctx, "").cfg.sink_blocks
+                  + sparse_variant(n_ctx, n_ctx, "").cfg.recent_blocks + 1) * BLOCK
+    for share in shares:  # a share below sink + recent + 1 block has no top-k at this context: not run
+        if round(share * n_ctx) >= min_tokens:
+            out.append(sparse_variant(n_ctx, round(share * n_ctx), f"sparse-{share * 100:g}%"))
     for tokens in fixed_tokens:  # a fixed budget below the shares' and not one of them
         if tokens < n_ctx * min(shares, default=1.0) and all(v.attended(n_ctx) != tokens for v in out[1:]):
             out.append(sparse_variant(n_ctx, tokens, f"sparse-{tokens}t"))
-    if window and shares:
+    if window and len(out) > 1:
         w = window_config(out[1].cfg, n_ctx)
-        out.append(Variant(f"window-{shares[0] * 100:g}%", w))
+        out.append(Variant(f"window-{out[1].name.removeprefix('sparse-')}", w))
     return out
 
 
@@ -150,11 +153,13 @@ def run_variants(exe: Path, model: Path, n_ctx: int, variants: Sequence[Variant]
                     if on_line is not None:
                         on_line(out[-1])
             rc = proc.wait()
-    if rc != 0 or len(out) != len(requests) * len(variants):
+    expected = sum(1 if r.get("tokenize_only") else len(variants) for r in requests)
+    if rc != 0 or len(out) != expected:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-10:])
-        raise OpencotiError(f"harness exited {rc} after {len(out)}/{len(requests) * len(variants)} results "
-                            f"(log {log})\n{tail}")
+        raise OpencotiError(f"harness exited {rc} after {len(out)}/{expected} results (log {log})\n{tail}")
     for r in out:
+        if "variant" not in r:  # tokenize_only
+            continue
         sparse = next(v for v in variants if v.name == r["variant"]).cfg.sparse
         if sparse != (int(r.get("select_nodes", 0)) > 0):
             raise OpencotiError(f"variant {r['variant']}: {r.get('select_nodes')} select nodes in the decode "

@@ -17,6 +17,7 @@ Scorers (each from keys alone, as the KV cache holds them, f16-rounded):
   query heads of the KV head;
 - ``mean``: ``q . mean(k)`` per sub-block, same reductions (an estimate, not a bound);
 - ``mid``: ``q . (kmin + kmax)/2`` per sub-block: the centre of Quest's box, from the same min/max side-cache;
+- ``midlse``: the box centre as the page's key, aggregated like ``mlse`` (log-sum-exp over pages and heads);
 - ``meanstd``: ``q . mean(k) + c * sqrt(sum_d q_d^2 var_d(k))`` per sub-block (a statistical bound);
 - ``lse``: an estimate of the block's attention mass itself: per sub-block and query head, the log of
   ``sub * exp(s*q.mean(k) + s^2/2 * sum_d q_d^2 var_d(k))`` (keys as independent normals per channel,
@@ -51,7 +52,7 @@ class Scorer:
 
     def bytes_per_token(self, head_dim: int, bytes_per_value: int = 4) -> float:
         """Side-cache bytes per token of context and KV head."""
-        vectors = 2 if self.kind in ("minmax", "mid", "meanstd", "lse") else 1
+        vectors = 2 if self.kind in ("minmax", "mid", "midlse", "meanstd", "lse") else 1
         return vectors * head_dim * bytes_per_value / self.sub
 
 
@@ -60,7 +61,7 @@ def parse_scorer(text: str) -> Scorer:
     parts = text.split("-")
     head = parts[0]
     kind = head.rstrip("0123456789")
-    if kind not in ("minmax", "mid", "mean", "meanstd", "lse", "mlse") or kind == head:
+    if kind not in ("minmax", "mid", "midlse", "mean", "meanstd", "lse", "mlse") or kind == head:
         raise OpencotiError(f"unknown scorer {text!r} (e.g. minmax16, mean32, meanstd128-c2)")
     sub = int(head[len(kind):])
     c, red = 0.0, "max"
@@ -116,8 +117,10 @@ def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale
         kmin, kmax = np.nanmin(ks, axis=1), np.nanmax(ks, axis=1)
         s = (np.einsum("ngd,sd->ngs", np.maximum(q, 0), kmax)
              + np.einsum("ngd,sd->ngs", np.minimum(q, 0), kmin))
-    elif scorer.kind == "mid":
+    elif scorer.kind in ("mid", "midlse"):
         s = np.einsum("ngd,sd->ngs", q, 0.5 * (np.nanmin(ks, axis=1) + np.nanmax(ks, axis=1)))
+        if scorer.kind == "midlse":
+            s = scale * s + np.log(scorer.sub)
     else:
         mu = np.nanmean(ks, axis=1)
         s = np.einsum("ngd,sd->ngs", q, mu)
@@ -134,7 +137,7 @@ def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale
     if padsub:
         s = np.concatenate([s, np.full(s.shape[:2] + (padsub,), -np.inf, s.dtype)], axis=2)
     s = s.reshape(s.shape[0], s.shape[1], nb, per_block)
-    if scorer.kind in ("lse", "mlse"):  # estimated mass: sum over the sub-blocks and the query heads
+    if scorer.kind in ("lse", "mlse", "midlse"):  # estimated mass: sum over the sub-blocks and the query heads
         return _logsumexp(_logsumexp(s, 3), 1)
     s = s.max(axis=3)  # over the sub-blocks
     return s.max(axis=1) if scorer.head_reduce == "max" else s.sum(axis=1)  # over the query heads

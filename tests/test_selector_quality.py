@@ -108,3 +108,6 @@ def test_needle_prompt_and_variants() -> None:
     # at 16K the fixed 2048 tokens are the 12.5% budget: not run twice
     assert [v.name for v in needle.variants_for(16384, [0.25, 0.125], [2048])][3] == "window-25%"
     assert vs[0].json() == {"name": "dense", "sparse_attn": False}
+    # 12.5% of 4K is only the sink + recent blocks: no top-k, not run
+    assert [v.name for v in needle.variants_for(4096, [0.25, 0.125], [2048])] == ["dense", "sparse-25%",
+                                                                                  "window-25%"]
