@@ -105,5 +105,5 @@ class Settings:
     @property
     def templates_dirs(self) -> list[Path]:
         """Project templates first, then the ones shipped next to the package source."""
-        shipped = Path(__file__).resolve().parent.parent / "templates"
+        shipped = Path(__file__).resolve().parent / "templates"
         return [self.root / "templates", shipped]

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch import build as b
-from opencoti_patch import identical as ident
-from opencoti_patch.ci import render_workflow, write_workflow
+from opencoti_patch.build import builder as b
+from opencoti_patch.build import identical as ident
+from opencoti_patch.build.workflow import render_workflow, write_workflow
 from opencoti_patch.errors import CheckFailed, OpencotiError
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES = [ROOT / "templates"]
+TEMPLATES = [ROOT / "opencoti_patch" / "templates"]
 
 
 # ------------------------------------------------------------------ fingerprint

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch import build as b
-from opencoti_patch import identical as ident
-from opencoti_patch.series import read_series
+from opencoti_patch.build import builder as b
+from opencoti_patch.build import identical as ident
+from opencoti_patch.stack.series import read_series
 
 pytestmark = pytest.mark.build
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES = [ROOT / "templates"]
+TEMPLATES = [ROOT / "opencoti_patch" / "templates"]
 TARGETS = ("ggml-base", "ggml", "ggml-cpu", "llama")
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from opencoti_patch import evaluate as ev
 from opencoti_patch.errors import CheckFailed, OpencotiError
+from opencoti_patch.quality import evaluate as ev
 
 FIT = ev.TokenFit(base=40, per_filler=25.0)
 

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from opencoti_patch.cli import cli
-from opencoti_patch.markers import (
+from opencoti_patch.markers.audit import (
     AuditReport,
     audit,
     diff_patch,
@@ -21,7 +21,7 @@ from opencoti_patch.markers import (
     scan_markers,
     unsafe_insert_points,
 )
-from opencoti_patch.series import load_series
+from opencoti_patch.stack.series import load_series
 
 F = "sparse-attn"
 B = f"// UPSTREAM_SYNC({F}): begin"

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from stackutil import Project, make_sdist, upstream_toml, write_upstream
 
-from opencoti_patch import apply as apply_mod
 from opencoti_patch.cli import cli
-from opencoti_patch.commands import COMMANDS
+from opencoti_patch.cli.stack import COMMANDS
 from opencoti_patch.config import Settings
 from opencoti_patch.safe_extract import UnsafeArchive, extract_tar
-from opencoti_patch.tree import tree_lock
+from opencoti_patch.stack import apply as apply_mod
+from opencoti_patch.stack.tree import tree_lock
 
 PIN_A, PIN_B = "aaa1111", "bbb2222"
 
@@ -556,7 +556,7 @@ def test_errors_are_one_line(project: Project) -> None:
 
 
 def test_snapshot_mark_adds_markers(project: Project) -> None:
-    pytest.importorskip("opencoti_patch.markers")
+    pytest.importorskip("opencoti_patch.markers.audit")
     project.prepared()
     project.edit("src/a.c", "int line_10 = 10;", "int line_10 = 1000;")
     out = project.run("snapshot", "--new", "gated", "--feature", "sparse-attn (--sparse-attn, default off)",

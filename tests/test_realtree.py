@@ -64,7 +64,7 @@ def test_real_series_is_snapshot_normalized(prepared: Project) -> None:
 
 
 def test_real_markers_audit(prepared: Project) -> None:
-    if importlib.util.find_spec("opencoti_patch.markers") is None:
+    if importlib.util.find_spec("opencoti_patch.markers.audit") is None:
         pytest.skip("opencoti_patch.markers is not installed")
     if not (prepared.patches / "series").is_file():
         pytest.skip("the series is empty")

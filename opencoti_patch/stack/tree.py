@@ -34,7 +34,7 @@ from typing import Any
 
 import git
 
-from .config import (
+from ..config import (
     BRANCH,
     COMMITTER,
     DEFAULT_AUTHOR,
@@ -46,7 +46,7 @@ from .config import (
     UPSTREAM_AUTHOR,
     Settings,
 )
-from .errors import CheckFailed, LockBusy, OpencotiError
+from ..errors import CheckFailed, LockBusy, OpencotiError
 from .series import FIELD_RE, PatchHeader
 from .upstream import Pin
 

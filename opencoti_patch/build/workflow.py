@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import CheckFailed
-from .report import render
+from ..errors import CheckFailed
+from ..report import render
 
 WORKFLOW_TEMPLATE = "github-workflow.yml.j2"
 WORKFLOW_OUT = "ci/github/rebuild.yml"

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import OpencotiError
-from .report import render
+from ..errors import OpencotiError
+from ..report import render
 
 NAME_RE = re.compile(r"^(\d{4})-([A-Za-z0-9][A-Za-z0-9._+-]*)\.patch$")
 HUNK_RE = re.compile(rb"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")

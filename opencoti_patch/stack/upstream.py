@@ -29,10 +29,10 @@ from typing import Any
 import click
 import requests
 
-from .config import TAG_PREFIX, Settings
-from .errors import OpencotiError
-from .report import info
-from .safe_extract import extract_tar
+from ..config import TAG_PREFIX, Settings
+from ..errors import OpencotiError
+from ..report import info
+from ..safe_extract import extract_tar
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from . import __version__
+from .. import __version__
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -18,25 +18,25 @@ def cli() -> None:
 
 # Command modules register themselves here (one import + add_command line each).
 # COMMANDS-BEGIN
-from .markers import markers_command  # noqa: E402
+from ..markers.audit import markers_command  # noqa: E402
 
 cli.add_command(markers_command)
-from .commands import COMMANDS as CORE_COMMANDS  # noqa: E402
+from .stack import COMMANDS as CORE_COMMANDS  # noqa: E402
 
 for _command in CORE_COMMANDS:
     cli.add_command(_command)
-from .build_cli import COMMANDS as BUILD_COMMANDS  # noqa: E402
+from .build import COMMANDS as BUILD_COMMANDS  # noqa: E402
 
 for _command in BUILD_COMMANDS:
     cli.add_command(_command)
-from .evaluate_cli import COMMANDS as EVAL_COMMANDS  # noqa: E402
+from .quality import COMMANDS as EVAL_COMMANDS  # noqa: E402
 
 for _command in EVAL_COMMANDS:
     cli.add_command(_command)
-from .loadtest_cli import loadtest_command  # noqa: E402
+from .loadtest import loadtest_command  # noqa: E402
 
 cli.add_command(loadtest_command)
-from .bench_cli import COMMANDS as BENCH_COMMANDS  # noqa: E402
+from .bench import COMMANDS as BENCH_COMMANDS  # noqa: E402
 
 for _command in BENCH_COMMANDS:
     cli.add_command(_command)

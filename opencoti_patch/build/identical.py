@@ -30,8 +30,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .build import (
+from .. import __version__
+from ..errors import CheckFailed, OpencotiError
+from ..report import info, render
+from ..stack.series import read_series
+from ..stack.upstream import sha256_file
+from .builder import (
     LIB_TARGETS,
     BuildOptions,
     BuildResult,
@@ -44,10 +48,6 @@ from .build import (
     find_tool,
     run_logged,
 )
-from .errors import CheckFailed, OpencotiError
-from .report import info, render
-from .series import read_series
-from .upstream import sha256_file
 
 HARNESS_DIR = Path(__file__).resolve().parent.parent / "harness"
 VERIFY_STAMP = "opencoti-verify"  # the same build info in both builds, so it cannot be a difference

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import click
 
-from .config import Settings
-from .series import Patch, PatchHeader, load_series, parse_diff
+from ..config import Settings
+from ..stack.series import Patch, PatchHeader, load_series, parse_diff
 
 FILE_MARKER_LINES = 5
 """The `file` marker of a new file must be on one of its first this many lines."""

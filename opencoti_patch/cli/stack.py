@@ -14,14 +14,14 @@ from typing import Any, TypeVar
 
 import click
 
-from . import apply as apply_mod
-from .capture import NewPatch, snapshot, stale_report, summary
-from .config import Settings
-from .errors import EXIT_INTERRUPTED, CheckFailed, OpencotiError, PatchFailed
-from .report import emit, info, render
-from .series import load_series, parse_patch, read_series
-from .tree import Tree, tree_lock
-from .upstream import Upstream, load_upstream, materialize, set_default_pin
+from ..config import Settings
+from ..errors import EXIT_INTERRUPTED, CheckFailed, OpencotiError, PatchFailed
+from ..report import emit, info, render
+from ..stack import apply as apply_mod
+from ..stack.capture import NewPatch, snapshot, stale_report, summary
+from ..stack.series import load_series, parse_patch, read_series
+from ..stack.tree import Tree, tree_lock
+from ..stack.upstream import Upstream, load_upstream, materialize, set_default_pin
 
 F = TypeVar("F", bound=Callable[..., Any])
 

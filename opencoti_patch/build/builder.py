@@ -41,11 +41,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import __version__
-from .errors import CheckFailed, OpencotiError
-from .report import render
-from .series import read_series
-from .upstream import load_upstream, sha256_file
+from .. import __version__
+from ..errors import CheckFailed, OpencotiError
+from ..report import render
+from ..stack.series import read_series
+from ..stack.upstream import load_upstream, sha256_file
 
 # --------------------------------------------------------------------------- constants
 

@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_AUTHOR, Settings
-from .errors import CheckFailed, OpencotiError, PatchFailed
-from .report import render
+from ..config import DEFAULT_AUTHOR, Settings
+from ..errors import CheckFailed, OpencotiError, PatchFailed
+from ..report import render
 from .series import Patch, check_exact
 from .tree import Tree, TreeDiff, commit_message
 from .upstream import Pin, Upstream, materialize

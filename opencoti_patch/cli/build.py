@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from .build import (
+from ..build.builder import (
     CPU_VARIANT_CHOICES,
     DEFAULT_CPU_VARIANT,
     LIB_TARGETS,
@@ -22,11 +22,11 @@ from .build import (
     have_gpu,
     rebuild,
 )
-from .ci import WORKFLOW_OUT, write_workflow
-from .commands import common_options
-from .config import Settings
-from .errors import OpencotiError
-from .identical import VerifyConfig, raise_on_failure, verify_identical
+from ..build.identical import VerifyConfig, raise_on_failure, verify_identical
+from ..build.workflow import WORKFLOW_OUT, write_workflow
+from ..config import Settings
+from ..errors import OpencotiError
+from .stack import common_options
 
 
 def _targets(values: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:

@@ -10,9 +10,9 @@ from typing import Any
 
 import click
 
-from . import evaluate as ev
-from .errors import CheckFailed, OpencotiError
-from .report import info
+from ..errors import CheckFailed, OpencotiError
+from ..quality import evaluate as ev
+from ..report import info
 
 DEFAULT_DOCS = Path("/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/docs")
 

@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..config import DEFAULT_AUTHOR
+from ..errors import CheckFailed, OpencotiError
 from .apply import CLEAN, apply_one, scratch_index
-from .config import DEFAULT_AUTHOR
-from .errors import CheckFailed, OpencotiError
 from .series import (
     PatchHeader,
     check_name,
@@ -275,9 +275,9 @@ def run_markers(tree: Tree) -> list[str]:
     The added marker lines stay as uncaptured edits: capture them with ``snapshot --top`` (or
     into the patch they belong to).
     """
-    if importlib.util.find_spec("opencoti_patch.markers") is None:
-        raise OpencotiError("--mark needs opencoti_patch.markers, which is not installed")
-    markers = importlib.import_module("opencoti_patch.markers")
+    if importlib.util.find_spec("opencoti_patch.markers.audit") is None:
+        raise OpencotiError("--mark needs opencoti_patch.markers.audit, which is not installed")
+    markers = importlib.import_module("opencoti_patch.markers.audit")
     patches = markers.load_series(tree.settings.patches_dir)
     fixed = markers.fix_tree(tree.path, patches)
     return sorted({str(getattr(c, "path", c)) for c in getattr(fixed, "changes", [])})

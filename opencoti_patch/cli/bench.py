@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from . import bench
-from .config import Settings
+from ..config import Settings
+from ..quality import bench
 
 
 @click.group("bench")

@@ -41,7 +41,7 @@ from typing import Any
 import click
 import numpy as np
 
-from .errors import CheckFailed, OpencotiError
+from ..errors import CheckFailed, OpencotiError
 
 BATCH_EXE = "opencoti-harness-batch"
 MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -786,7 +786,7 @@ def _jsonable(x: Any) -> Any:
 
 
 def render_report(template_dirs: Iterable[Path], data: dict[str, Any]) -> str:
-    from .report import render  # noqa: PLC0415 (click-free callers of the math need not import jinja2)
+    from ..report import render  # noqa: PLC0415 (click-free callers of the math need not import jinja2)
 
     return render(list(template_dirs), "quality.md.j2", **data_for_template(data))
 
