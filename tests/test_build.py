@@ -131,7 +131,7 @@ def test_export_rev_and_changed_files(repo: Path, tmp_path: Path) -> None:
 
 def test_cmake_args_reproducible_defaults(tmp_path: Path) -> None:
     src, build = tmp_path / "s", tmp_path / "b"
-    opts = b.BuildOptions(build_commit="pin+fp", cpu_variant="haswell")
+    opts = b.BuildOptions(build_commit="pin+fp", cpu_variant="haswell", ccache=True)
     args = b.cmake_args(src, build, opts, build / ".opencoti")
     joined = "\n".join(args)
     for want in ("-DGGML_BACKEND_DL=ON", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF",

@@ -312,14 +312,6 @@ def test_finished_runs_are_cached_and_resumed(tmp_path: Path) -> None:
         h.run(req, 4096, ev.DENSE, "dense")
 
 
-def test_progress_lines_for_logs(capsys: pytest.CaptureFixture[str]) -> None:
-    bar = ev._LineBar(20, "passkey")
-    for _ in range(20):
-        bar.update(1)
-    err = capsys.readouterr().err.splitlines()
-    assert err[-1].startswith("passkey: 20/20 (100%)") and 2 <= len(err) <= 11
-
-
 def test_a_sparse_run_without_select_nodes_is_an_error(tmp_path: Path) -> None:
     exe = _fake_exe(tmp_path)
     exe.write_text(exe.read_text().replace("3 * steps if sparse else 0", "0"))

@@ -413,9 +413,9 @@ def test_cli_exit_codes_and_json(series: Series) -> None:
     bad = edit(good, 2, ["int unmarked;"])
     series.add("bad", {"src/a.c": (good, bad)})
     res = runner.invoke(cli, args)
-    assert res.exit_code == 1
+    assert res.exit_code == 4  # a failed check, as docs/usage.md says
     assert "src/a.c:2: unmarked change (patch 0002-bad.patch)" in res.output
-    data = json.loads(runner.invoke(cli, args + ["--json"]).output)
+    data = json.loads(runner.invoke(cli, args + ["--json"]).stdout)
     assert data["ok"] is False and data["issues"][0]["kind"] == "unmarked"
 
     res = runner.invoke(cli, ["markers", "--patches-dir", str(series.patches), "--fix"])
@@ -438,7 +438,7 @@ def test_cli_diff_option(series: Series, tmp_path: Path) -> None:
     (tmp_path / "t" / "src" / "a.c").write_text("\n".join(new) + "\n")
     res = CliRunner().invoke(cli, ["markers", "--diff", str(diff), "--feature", F,
                                    "--tree", str(tmp_path / "t")])
-    assert res.exit_code == 1 and "src/a.c:10: unmarked change (patch wip.diff)" in res.output
+    assert res.exit_code == 4 and "src/a.c:10: unmarked change (patch wip.diff)" in res.output
     res = CliRunner().invoke(cli, ["markers", "--diff", str(diff), "--feature", F])
     assert res.exit_code == 0 and "warning: src/a.c:10: cannot verify" in res.output
 

@@ -312,7 +312,7 @@ class BuildOptions:
     cuda: bool = False
     cuda_arch: str = "90-real"
     cpu_variant: str = DEFAULT_CPU_VARIANT
-    ccache: bool = True
+    ccache: bool = field(default_factory=lambda: have_ccache())  # on only where ccache is installed
     build_commit: str = "unknown"
     build_number: int = 0
     jobs: int | None = None
@@ -337,6 +337,10 @@ def prefix_map_flags(src: Path, build: Path) -> str:
     """``__FILE__`` etc. as ``./<relative path>`` whatever the folders (``../src=.``: paths relative
     to the build dir in our ``<label>/src`` + ``<label>/build`` layout)."""
     return f"-ffile-prefix-map={src}=. -ffile-prefix-map={build}=build -ffile-prefix-map=../src=."
+
+
+def have_ccache() -> bool:
+    return shutil.which("ccache") is not None
 
 
 def cmake_args(src: Path, build: Path, opts: BuildOptions, helper_dir: Path) -> list[str]:

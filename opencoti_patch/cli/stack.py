@@ -1,5 +1,5 @@
 """Click commands of the patch-stack core: fetch, backup, restore, apply, unapply, status,
-snapshot (refresh), rebase, prepare. Registered in cli.py; the work lives in the stage modules.
+snapshot (refresh), rebase, prepare. Registered in cli/main.py; the work lives in the stage modules.
 
 Exit codes (docs/usage.md): 0 ok · 1 error · 2 usage · 3 patch failed/conflicted ·
 4 check failed (stale, verify, round trip) · 5 lock busy · 130 interrupted.
@@ -7,53 +7,21 @@ Exit codes (docs/usage.md): 0 ok · 1 error · 2 usage · 3 patch failed/conflic
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
 from ..config import Settings
-from ..errors import EXIT_INTERRUPTED, CheckFailed, OpencotiError, PatchFailed
-from ..report import emit, info, render
+from ..errors import CheckFailed, OpencotiError, PatchFailed
+from ..markers.audit import fix_tree
+from ..report import info, render
 from ..stack import apply as apply_mod
 from ..stack.capture import NewPatch, snapshot, stale_report, summary
 from ..stack.series import load_series, parse_patch, read_series
 from ..stack.tree import Tree, tree_lock
 from ..stack.upstream import Upstream, load_upstream, materialize, set_default_pin
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class Interrupted(OpencotiError):
-    exit_code = EXIT_INTERRUPTED
-
-
-def common_options(func: F) -> F:
-    """--tree/--work-dir/--patches-dir/--lock-wait, resolved into a Settings passed as ``settings``."""
-
-    @click.option("--tree", "tree_path", type=click.Path(file_okay=False, path_type=Path),
-                  help="Vendored llama.cpp tree [env OPENCOTI_TREE; default <work-dir>/llama.cpp].")
-    @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
-                  help="Work folder [env OPENCOTI_WORK; default ./work].")
-    @click.option("--patches-dir", type=click.Path(file_okay=False, path_type=Path),
-                  help="Folder with series, upstream.toml and the patches [env OPENCOTI_PATCHES].")
-    @click.option("--lock-wait", type=float, default=None, metavar="SECONDS",
-                  help="Wait this long for another run's lock instead of refusing at once.")
-    @functools.wraps(func)
-    def wrapper(tree_path: Path | None, work_dir: Path | None, patches_dir: Path | None,
-                lock_wait: float | None, **kwargs: Any) -> Any:
-        settings = Settings.resolve(tree=tree_path, work_dir=work_dir, patches_dir=patches_dir,
-                                    lock_wait=lock_wait)
-        try:
-            return func(settings=settings, **kwargs)
-        except KeyboardInterrupt:
-            raise Interrupted(
-                "interrupted; the tree was put back at the last good patch (`opencoti-patch status`)"
-            ) from None
-
-    return wrapper  # type: ignore[return-value]
+from .options import common_options, emit
 
 
 def _upstream(settings: Settings) -> Upstream:
@@ -286,7 +254,8 @@ def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
 @click.option("--author", help="Author 'Name <email>' (default: opencoti <patches@opencoti.invalid>).")
 @click.option("--check", is_flag=True, help="Write nothing; exit 4 when patches/ is stale vs the tree (CI).")
 @click.option("--no-verify", is_flag=True, help="Skip the round-trip proof.")
-@click.option("--mark", is_flag=True, help="Then add UPSTREAM_SYNC markers (opencoti_patch.markers).")
+@click.option("--mark", is_flag=True,
+              help="Then add UPSTREAM_SYNC markers (like `markers --fix`); capture them with --top.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @common_options
 def snapshot_cmd(settings: Settings, top: bool, new_name: str | None, subject: str | None,
@@ -303,7 +272,10 @@ def snapshot_cmd(settings: Settings, top: bool, new_name: str | None, subject: s
     new = NewPatch(new_name, subject, description, feature, upstream_status, author)
     tree = Tree(settings)
     with tree_lock(settings):
-        result = snapshot(tree, new, top=top, check=check, verify=not no_verify, mark=mark)
+        result = snapshot(tree, new, top=top, check=check, verify=not no_verify)
+        if mark and not check:
+            fixed = fix_tree(tree.path, load_series(settings.patches_dir))
+            result.marked = sorted({c.path for c in fixed.changes})
     if check:
         emit(result.as_dict(), as_json, stale_report(result))
         if result.stale:

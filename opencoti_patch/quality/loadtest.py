@@ -52,11 +52,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..config import Settings  # standard library only, like this module
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CHECK_FAILED = 4  # same code as errors.CheckFailed
 
-DEFAULT_CORPUS = "/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/docs/**/*.md"
+DEFAULT_CORPUS = "<tree>/docs/**/*.md"  # the vendored tree's docs (opencoti_patch.config.Settings)
 MARKER_RE = re.compile(r"LT[0-9a-f]{2}-\d{4}-[0-9a-f]{6}")
 BOS_PREFIXES = ("<bos>", "<s>", "<|begin_of_text|>")
 
@@ -1144,7 +1146,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                                   startup_timeout_s=a.startup_timeout)
         equal = [parse_pair(x) for x in a.expect_equal]
         info_pairs = [parse_pair(x) for x in a.compare]
-        corpus = load_corpus(a.corpus or [DEFAULT_CORPUS])
+        corpus = load_corpus(a.corpus or [str(Settings.resolve().tree / "docs" / "**" / "*.md")])
         log_dir = a.log_dir or (a.json_out.parent if a.json_out else None)
         if log_dir:
             log_dir.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,6 @@ scratch index gives the git tree hash of the edited tree, byte for byte.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -171,7 +169,6 @@ def snapshot(
     top: bool = False,
     check: bool = False,
     verify: bool = True,
-    mark: bool = False,
 ) -> SnapshotResult:
     tree.require()
     if (tree.state_dir / "rebase.json").exists():
@@ -249,8 +246,6 @@ def snapshot(
                 f"round trip failed: re-applying the series to {tree.tag} does not give the edited "
                 f"tree ({result.roundtrip.detail or ', '.join(result.roundtrip.differs[:5])})"
             )
-    if mark:
-        result.marked = run_markers(tree)
     return result
 
 
@@ -267,20 +262,6 @@ def prove_round_trip(tree: Tree, names: list[str]) -> RoundTrip:
     if actual == expected:
         return RoundTrip(True, expected, actual)
     return RoundTrip(False, expected, actual, sorted(_changed_paths(tree, expected, actual)))
-
-
-def run_markers(tree: Tree) -> list[str]:
-    """Wrap unmarked changes in UPSTREAM_SYNC markers (if the markers module is installed).
-
-    The added marker lines stay as uncaptured edits: capture them with ``snapshot --top`` (or
-    into the patch they belong to).
-    """
-    if importlib.util.find_spec("opencoti_patch.markers.audit") is None:
-        raise OpencotiError("--mark needs opencoti_patch.markers.audit, which is not installed")
-    markers = importlib.import_module("opencoti_patch.markers.audit")
-    patches = markers.load_series(tree.settings.patches_dir)
-    fixed = markers.fix_tree(tree.path, patches)
-    return sorted({str(getattr(c, "path", c)) for c in getattr(fixed, "changes", [])})
 
 
 def stale_report(result: SnapshotResult) -> str:

@@ -16,7 +16,6 @@ A sha256 mismatch is an error (nothing is extracted), never a reason to try the 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import shutil
 import subprocess
@@ -26,11 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import click
 import requests
 
 from ..config import TAG_PREFIX, Settings
 from ..errors import OpencotiError
+from ..progress import progress as progress_bar
 from ..report import info
 from ..safe_extract import extract_tar
 
@@ -187,12 +186,8 @@ def download(url: str, dest: Path, expected_sha: str, progress: bool = True, tim
         with requests.get(url, stream=True, timeout=timeout) as resp:
             resp.raise_for_status()
             length = int(resp.headers.get("content-length") or 0) or None
-            with open(part, "wb") as out, click.progressbar(
-                length=length or 0,
-                label=f"downloading {dest.name}",
-                file=sys.stderr if progress else io.StringIO(),
-                show_pos=True,
-            ) as bar:
+            with open(part, "wb") as out, progress_bar(length or 0, f"downloading {dest.name}",
+                                                          progress) as bar:
                 for chunk in resp.iter_content(CHUNK):
                     out.write(chunk)
                     digest.update(chunk)
