@@ -142,9 +142,17 @@ def test_download_progress_cache_and_mismatch(project: Project, tmp_path: Path) 
         _Server.hits.clear()
         project.run("fetch", "--download-only")
         cached = list((tmp_path / "cache").iterdir())
-        assert [c.name for c in cached] == [f"{project.sha_a[:16]}-a.tar.gz"]
+        assert [c.name for c in cached] == [f"{project.sha_a}-a.tar.gz"]
         project.run("fetch")  # from the cache: no second download
         assert len(_Server.hits) == 1
+        # another archive whose sha256 shares the first 16 digits: its failed fetch keeps A's cache
+        twin = project.sha_a[:16] + ("0" if project.sha_a[16] != "0" else "1") + project.sha_a[17:]
+        twin_toml = toml.read_text()
+        toml.write_text(twin_toml.replace(project.sha_a, twin))
+        result = project.run("fetch", "--tree", str(tmp_path / "t-twin"), code=1)
+        assert "sha256 mismatch" in result.output
+        assert [c.name for c in (tmp_path / "cache").iterdir()] == [f"{project.sha_a}-a.tar.gz"]
+        toml.write_text(twin_toml)
         # a wrong sha256: error, no file kept in the cache, nothing extracted
         cached[0].unlink()
         toml.write_text(toml.read_text().replace(project.sha_a, "2" * 64))

@@ -20,7 +20,7 @@ from ..stack import apply as apply_mod
 from ..stack.capture import NewPatch, snapshot, stale_report, summary
 from ..stack.series import load_series, parse_patch, read_series
 from ..stack.tree import Tree, tree_lock
-from ..stack.upstream import Upstream, load_upstream, materialize, set_default_pin
+from ..stack.upstream import Upstream, fetched_pin, load_upstream, materialize, set_default_pin
 from .options import common_options, emit
 
 
@@ -57,7 +57,8 @@ def fetch_cmd(settings: Settings, pin: str | None, from_file: Path | None, downl
 
 
 @click.command("backup")
-@click.option("--pin", help="Pin the fetched tree is (default: upstream.toml's default).")
+@click.option("--pin", help="Pin the fetched tree is (default: the pin `fetch` put there, else "
+                            "upstream.toml's default).")
 @click.option("--verify", is_flag=True, help="Prove the stored pristine tree is intact (sha256 manifest).")
 @click.option("--worktree", is_flag=True,
               help="With --verify: also require the files on disk to be pristine.")
@@ -76,7 +77,7 @@ def backup_cmd(settings: Settings, pin: str | None, verify: bool, worktree: bool
             if tree.is_repo() and tree.read_state().get("pin"):
                 click.echo(f"already backed up as {tree.tag}; use --verify to check it")
                 return
-            p = _upstream(settings).pin(pin)
+            p = fetched_pin(_upstream(settings), settings.tree, pin)
             commit = tree.create_backup(p)
             click.echo(f"backed up {settings.tree} as {p.tag} ({commit[:12]}), manifest "
                        f"{tree.manifest_path(p.name)}")
@@ -192,7 +193,7 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
                             "interrupted": False, "rebase": None}
     series = read_series(settings.patches_dir)
     if not tree.exists() or not tree.is_repo() or not tree.read_state().get("pin"):
-        data["backup"] = "none (run `opencoti-patch backup`)" if tree.exists() else "none"
+        data["backup"] = f"none (run `{settings.command('backup')}`)" if tree.exists() else "none"
         data["unapplied"] = series
         return data
     data["pin"] = tree.pin
@@ -238,7 +239,7 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
 def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
     """Show the pin, backup state, applied/unapplied patches and uncaptured edits."""
     data = status_data(settings, verify)
-    emit(data, as_json, render(settings.templates_dirs, "status.txt.j2", **data))
+    emit(data, as_json, render(settings.templates_dirs, "status.txt.j2", cmd=settings.command, **data))
 
 
 # -- snapshot / rebase / prepare ---------------------------------------------------------------
@@ -277,7 +278,7 @@ def snapshot_cmd(settings: Settings, top: bool, new_name: str | None, subject: s
             fixed = fix_tree(tree.path, load_series(settings.patches_dir))
             result.marked = sorted({c.path for c in fixed.changes})
     if check:
-        emit(result.as_dict(), as_json, stale_report(result))
+        emit(result.as_dict(), as_json, stale_report(result, settings))
         if result.stale:
             raise CheckFailed("patches/ is stale vs the tree")
         return
@@ -326,10 +327,11 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
             report, pending = apply_mod.rebase(tree, patches, up.pin(to_pin), up, settings, from_file, force)
     text = f"rebase onto {report.pin}:\n{_outcome_lines(report)}"
     if pending:
-        text += ("\nresolve the conflicts in the tree, then `opencoti-patch rebase --continue` "
+        text += (f"\nresolve the conflicts in the tree, then `{settings.command('rebase --continue')}` "
                  "(or --skip / --abort)")
     else:
-        text += "\ndone; run `opencoti-patch snapshot` to rewrite the patches against the new upstream"
+        text += (f"\ndone; run `{settings.command('snapshot')}` to rewrite the patches against the new "
+                 "upstream")
         if write_pin:
             set_default_pin(settings.upstream_file, report.pin)
             text += f"\n{settings.upstream_file}: default pin is now {report.pin}"
@@ -350,9 +352,9 @@ def prepare_cmd(settings: Settings, pin: str | None, from_file: Path | None, thr
                 as_json: bool) -> None:
     """Fetch -> extract -> backup -> apply: the patched tree, ready to build. Idempotent."""
     up = _upstream(settings)
-    p = up.pin(pin)
     tree = Tree(settings)
     with tree_lock(settings):
+        p = fetched_pin(up, settings.tree, pin) if tree.exists() and not tree.is_repo() else up.pin(pin)
         if not tree.exists():
             info(f"fetching {p.name}: {materialize(p, up, settings, settings.tree, from_file)}")
         if not tree.is_repo() or not tree.read_state().get("pin"):
@@ -360,8 +362,8 @@ def prepare_cmd(settings: Settings, pin: str | None, from_file: Path | None, thr
             info(f"backed up as {p.tag}")
         elif tree.pin != p.name:
             raise OpencotiError(
-                f"{settings.tree} is on pin {tree.pin}, not {p.name}: `opencoti-patch rebase --to {p.name}` "
-                "or remove the tree"
+                f"{settings.tree} is on pin {tree.pin}, not {p.name}: "
+                f"`{settings.command('rebase --to ' + p.name)}` or remove the tree"
             )
     _apply_common(settings, three_way, False, False, as_json)
 

@@ -94,13 +94,28 @@ def apply_one(tree: Tree, patch: Patch, three_way: bool, index: Path | None = No
         return Outcome(patch.name, MERGED, merged or [failure.file], detail)
     if conflicts:
         return Outcome(patch.name, CONFLICTED, conflicts, detail, failure.hunk, failure.line)
-    return Outcome(patch.name, FAILED, [failure.file], f"{failure.reason}; 3-way: {_git_reason(r.err)}",
+    return Outcome(patch.name, FAILED, [failure.file],
+                   f"{failure.reason}; no 3-way merge either: {_three_way_reason(r.err)}",
                    failure.hunk, failure.line)
 
 
 def _git_reason(err: str) -> str:
     lines = [ln.removeprefix("error: ").strip() for ln in err.splitlines() if ln.strip()]
     return "; ".join(lines[-2:]) or "git apply failed"
+
+
+# what `git apply --3way` prints on the way that is not the reason it failed
+_GIT_NOISE = re.compile(r"^(error: )?(Checking patch|Applied patch|Applying patch|Falling back"
+                        r"|Performing three-way|patch failed:|.*: patch does not apply"
+                        r"|.*: does not match index|U )")
+
+
+def _three_way_reason(err: str) -> str:
+    if "lacks the necessary blob" in err:
+        return ("the patch's `index` lines name file versions this tree's history does not hold "
+                "(it was not made against this upstream), so there is no common base to merge from")
+    lines = [ln.strip() for ln in err.splitlines() if ln.strip() and not _GIT_NOISE.match(ln.strip())]
+    return "; ".join(ln.removeprefix("error: ") for ln in lines[:2]) or "git found no way to merge it"
 
 
 def commit_patch(tree: Tree, patch: Patch) -> str:
@@ -143,6 +158,7 @@ def failure_message(tree: Tree, outcome: Outcome, patch: Patch, applied: int) ->
         applied=applied,
         tree=tree.path,
         patch_path=patch.path,
+        cmd=tree.settings.command,
     )
 
 
@@ -157,14 +173,12 @@ def apply_series(
     """Bring the tree to "pristine + the whole series", one commit per patch."""
     tree.require()
     report = Report(pin=tree.pin, dry_run=dry_run)
-    if tree.interrupted() and not dry_run:
-        # leftovers of a killed run (HEAD is its last good patch); whatever is there is kept
-        saved = tree.rescue("interrupted") if tree.dirty() else None
-        tree.reset_hard("HEAD")
-        tree.txn_file.unlink(missing_ok=True)
+    if not dry_run:  # leftovers of a killed run (HEAD is its last good patch); whatever is there is kept
+        saved = tree.recover_interrupted()
         report.rescued = str(saved) if saved else None
     if (tree.state_dir / "rebase.json").exists():
-        raise OpencotiError("a rebase is in progress: `opencoti-patch rebase --continue` or `--abort` first")
+        raise OpencotiError(f"a rebase is in progress: `{tree.settings.command('rebase --continue')}` "
+                            "or `--abort` first")
     if dry_run:
         if tree.dirty() or tree.uncaptured_commits():
             raise OpencotiError(f"{tree.path} has uncaptured work; apply would refuse (see `status`)")
@@ -211,6 +225,7 @@ def unapply(tree: Tree, count: int | None = None, force: bool = False, dry_run: 
     """Pop the top ``count`` patches (all when None); returns their names, top first."""
     tree.require()
     if not dry_run:
+        tree.recover_interrupted()
         tree.guard_clean("unapply", force)
     stack = [c for c in tree.stack() if c.patch is not None]
     n = len(stack) if count is None else min(count, len(stack))
@@ -226,7 +241,8 @@ def unapply(tree: Tree, count: int | None = None, force: bool = False, dry_run: 
 def restore(tree: Tree, force: bool = False) -> tuple[TreeDiff, Path | None]:
     """Pristine upstream, byte for byte (added files deleted too, ignored ones included)."""
     tree.require()
-    rescued = tree.guard_clean("restore", force)
+    rescued = tree.recover_interrupted()  # a killed run's half-applied patch is not the user's work
+    rescued = tree.guard_clean("restore", force) or rescued
     (tree.state_dir / "rebase.json").unlink(missing_ok=True)
     tree.reset_hard(tree.tag, ignored=True)
     tree.txn_file.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import DEFAULT_AUTHOR
+from ..config import DEFAULT_AUTHOR, Settings
 from ..errors import CheckFailed, OpencotiError
 from .apply import CLEAN, apply_one, scratch_index
 from .series import (
@@ -185,7 +185,7 @@ def snapshot(
     if any(e.name is None for e in entries) and unapplied and not check:
         raise OpencotiError(
             f"{len(unapplied)} patch(es) of the series are not applied ({unapplied[0]}, ...): "
-            "`opencoti-patch apply` them before adding a patch"
+            f"`{tree.settings.command('apply')}` them before adding a patch"
         )
     result = SnapshotResult(folded_into=folded)
     # number the new patches
@@ -264,10 +264,11 @@ def prove_round_trip(tree: Tree, names: list[str]) -> RoundTrip:
     return RoundTrip(False, expected, actual, sorted(_changed_paths(tree, expected, actual)))
 
 
-def stale_report(result: SnapshotResult) -> str:
+def stale_report(result: SnapshotResult, settings: Settings) -> str:
     if not result.stale:
         return "patches/ is up to date with the tree"
-    return "patches/ is stale vs the tree: " + ", ".join(result.stale) + " (run `opencoti-patch snapshot`)"
+    return (f"patches/ is stale vs the tree: {', '.join(result.stale)} "
+            f"(run `{settings.command('snapshot')}`)")
 
 
 def summary(result: SnapshotResult, patches_dir: Path) -> str:

@@ -371,6 +371,12 @@ def _find(content: list[bytes], pre: list[bytes], around: int) -> int | None:
     return best
 
 
+def _first_difference(expected: str, got: str) -> str:
+    pairs = enumerate(zip(expected, got, strict=False))
+    col = next((k for k, (a, b) in pairs if a != b), min(len(expected), len(got)))
+    return f" (they differ from column {col + 1})"
+
+
 def check_exact(patch: Patch, read: Callable[[str], bytes | None]) -> HunkFailure | None:
     """The first hunk of ``patch`` whose preimage is not at exactly its stated line, or None.
 
@@ -404,7 +410,11 @@ def check_exact(patch: Patch, read: Callable[[str], bytes | None]) -> HunkFailur
                     (k for k, ln in enumerate(pre) if start + k >= len(content) or content[start + k] != ln),
                     0,
                 )
-                expected = pre[mismatch].decode("utf-8", "replace")[:70] if pre else ""
-                reason = f"context does not match at line {start + mismatch + 1} (expected {expected!r})"
+                expected = pre[mismatch].decode("utf-8", "replace") if pre else ""
+                at = start + mismatch
+                got = content[at].decode("utf-8", "replace") if at < len(content) else None
+                reason = f"context does not match at line {at + 1}: expected {expected!r}, " + (
+                    f"found {got!r}{_first_difference(expected, got)}" if got is not None
+                    else "found the end of the file")
             return HunkFailure(fp.old_path, hunk.number, hunk.old_start, reason)
     return None

@@ -47,6 +47,7 @@ from ..config import (
     Settings,
 )
 from ..errors import CheckFailed, LockBusy, OpencotiError
+from ..report import info
 from .series import FIELD_RE, PatchHeader
 from .upstream import Pin
 
@@ -259,9 +260,39 @@ class Tree:
                 fh.close()
         result = GitResult(int(rc or 0), out if out is not None else "", str(err))
         if check and result.rc != 0:
+            if "index.lock" in result.err:
+                raise OpencotiError(self._index_lock_message())
             last = (result.err.strip().splitlines() or ["(no message)"])[-1]
             raise OpencotiError(f"git {' '.join(args[:3])} failed in {self.path}: {last}")
         return result
+
+    @property
+    def index_lock(self) -> Path:
+        return self.git_dir / "index.lock"
+
+    def _index_lock_message(self) -> str:
+        return (f"{self.index_lock} exists: a git command is running in {self.path}, or one was killed. "
+                f"If no git runs there, delete {self.index_lock} and retry")
+
+    def recover_interrupted(self) -> Path | None:
+        """Undo what a killed run (kill -9 mid-apply) left: its git index lock and a half-applied patch.
+
+        Call it holding the tree lock (no other opencoti-patch run is working on the tree). The
+        leftovers are saved under work/rescue/ first; returns that file (None: nothing to save).
+        """
+        if not self.is_repo():
+            return None
+        if not self.interrupted():
+            if self.index_lock.exists():
+                raise OpencotiError(self._index_lock_message())
+            return None
+        if self.index_lock.exists():
+            self.index_lock.unlink()
+            info(f"removed {self.index_lock}, left by an interrupted opencoti-patch run")
+        saved = self.rescue("interrupted") if self.read_state().get("pin") and self.dirty() else None
+        self.reset_hard("HEAD")
+        self.txn_file.unlink(missing_ok=True)
+        return saved
 
     def rev(self, ref: str) -> str | None:
         r = self.git("rev-parse", "--verify", "--quiet", ref + "^{commit}", check=False)
@@ -289,7 +320,8 @@ class Tree:
     def pin(self) -> str:
         pin = self.read_state().get("pin")
         if not pin:
-            raise OpencotiError(f"{self.path} has no backup yet: run `opencoti-patch backup` first")
+            raise OpencotiError(f"{self.path} has no backup yet: run `{self.settings.command('backup')}` "
+                                "first")
         return str(pin)
 
     @property
@@ -298,9 +330,10 @@ class Tree:
 
     def require(self) -> None:
         if not self.exists():
-            raise OpencotiError(f"no tree at {self.path}: run `opencoti-patch fetch` (or `prepare`)")
+            raise OpencotiError(f"no tree at {self.path}: run `{self.settings.command('fetch')}` "
+                                "(or `prepare`)")
         if not self.is_repo() or not self.read_state().get("pin"):
-            raise OpencotiError(f"{self.path} is not backed up yet: run `opencoti-patch backup`")
+            raise OpencotiError(f"{self.path} is not backed up yet: run `{self.settings.command('backup')}`")
         if self.rev(self.tag) is None:
             raise OpencotiError(f"{self.path}: backup tag {self.tag} is missing; the backup is damaged")
 
@@ -361,7 +394,7 @@ class Tree:
     def create_backup(self, pin: Pin) -> str:
         """Make the freshly fetched tree a git repo whose first commit is upstream, exactly."""
         if not self.exists():
-            raise OpencotiError(f"no tree at {self.path}: run `opencoti-patch fetch` first")
+            raise OpencotiError(f"no tree at {self.path}: run `{self.settings.command('fetch')}` first")
         if (self.path / ".git").is_file():
             (self.path / ".git").unlink()  # the sdist's dangling gitdir file
         if self.is_repo():
@@ -530,7 +563,7 @@ class Tree:
         if not force:
             raise OpencotiError(
                 f"{self.path} has uncaptured work: {' and '.join(what)}; refusing to {action}. "
-                "Capture it with `opencoti-patch snapshot`, or rerun with --force "
+                f"Capture it with `{self.settings.command('snapshot')}`, or rerun with --force "
                 f"(saves it to {self.settings.rescue_dir}/<timestamp>.patch first)"
             )
         saved = self.rescue(action.split()[0])

@@ -16,6 +16,7 @@ A sha256 mismatch is an error (nothing is extracted), never a reason to try the 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -249,12 +250,65 @@ def fetch_archive(src: Source, settings: Settings, progress: bool = True) -> Pat
     if not src.url:
         hint = f" (${src.env} is not set)" if src.env and not os.environ.get(src.env) else ""
         raise OpencotiError(f"{src.kind} source: no local copy{hint} and no url; pass --from FILE")
-    cached = settings.cache_dir / f"{src.sha256[:16]}-{src.filename}"
+    # named by the full sha256: two archives never share a cache file (a 16-digit prefix could)
+    cached = settings.cache_dir / f"{src.sha256.lower()}-{src.filename}"
+    legacy = settings.cache_dir / f"{src.sha256.lower()[:16]}-{src.filename}"
+    for candidate in (cached, legacy):
+        if candidate.is_file() and sha256_file(candidate) == src.sha256.lower():
+            return candidate
     if cached.is_file():
-        if sha256_file(cached) == src.sha256:
-            return cached
-        cached.unlink()
+        cached.unlink()  # a broken download of exactly this archive (its name is its full sha256)
     return download(src.url, cached, src.sha256, progress=progress)
+
+
+def check_source_dir(folder: Path, pin: Pin, dest: Path) -> None:
+    """Refuse a ``--from`` folder that cannot be the pristine upstream of ``pin``.
+
+    Not the destination itself (or a folder around it), not a tree opencoti-patch manages (its
+    files may carry patches), not a git checkout of another commit or with local changes.
+    """
+    dest = dest.resolve()
+    if folder == dest or dest.is_relative_to(folder) or folder.is_relative_to(dest):
+        raise OpencotiError(f"--from {folder}: it is (or holds) the tree folder {dest} itself")
+    if not any(folder.iterdir()):
+        raise OpencotiError(f"--from {folder}: the folder is empty")
+    if (folder / ".git" / "opencoti").is_dir():
+        raise OpencotiError(f"--from {folder}: a tree managed by opencoti-patch (its files may be patched); "
+                            "use a pristine source, or `restore` that tree")
+    if (folder / ".git").is_dir():
+        env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "LC_ALL": "C"}
+        head = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], env=env, capture_output=True,
+                              text=True).stdout.strip()
+        if not head.startswith(pin.commit):
+            raise OpencotiError(f"--from {folder}: a git checkout of {head[:12] or 'no commit'}, "
+                                f"not pin {pin.name} ({pin.commit})")
+        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain"], env=env,
+                               capture_output=True, text=True).stdout.strip()
+        if dirty:
+            raise OpencotiError(f"--from {folder}: the checkout has local changes "
+                                f"({dirty.splitlines()[0].strip()}, ...)")
+        return
+    info(f"note: --from {folder} is a plain folder: it cannot be checked against pin {pin.name}'s "
+         "sha256; it is taken as that pin's pristine tree as it is")
+
+
+def fetch_record(dest: Path) -> Path:
+    """Beside the tree: which pin ``fetch`` put there (``backup`` reads it)."""
+    return dest.parent / f".{dest.name}.fetched.json"
+
+
+def record_fetch(dest: Path, pin: Pin, used: str) -> None:
+    fetch_record(dest).write_text(json.dumps({"pin": pin.name, "source": used}, indent=1) + "\n")
+
+
+def fetched_pin(upstream: Upstream, dest: Path, requested: str | None) -> Pin:
+    """The pin of a fetched (not yet backed-up) tree: what fetch recorded, checked against --pin."""
+    record = fetch_record(dest)
+    fetched = json.loads(record.read_text()).get("pin") if record.is_file() else None
+    if requested and fetched and requested != fetched:
+        raise OpencotiError(f"{dest} was fetched as pin {fetched}, not {requested}: remove it and "
+                            f"fetch --pin {requested}, or back it up as {fetched}")
+    return upstream.pin(requested or fetched)
 
 
 def _drop(root: Path, rel: str) -> None:
@@ -324,6 +378,7 @@ def materialize(
     exclude = (".git", *pin.strip)
     candidates: list[tuple[Source, Path | None]]
     if from_file is not None and from_file.is_dir():
+        check_source_dir(from_file.resolve(), pin, dest)
         candidates = [(Source(kind="dir", path=str(from_file.resolve())), None)]
     elif from_file is not None:
         candidates = [(archive_from_file(pin, from_file), from_file)]
@@ -359,6 +414,7 @@ def materialize(
             continue
         for rel in exclude:  # git/dir sources, and a top-level .git the archive filter did not see
             _drop(dest, rel)
+        record_fetch(dest, pin, used)
         return used
     raise OpencotiError(
         f"no source of pin {pin.name} worked ({'; '.join(errors) or 'none applicable'}); "

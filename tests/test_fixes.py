@@ -1,0 +1,114 @@
+"""One test per bug of issue 14 ("Bugs found by trying it"), on the tiny synthetic upstream."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from stackutil import Project
+from test_patchstack import PIN_A, PIN_B, _hunk, _write_patch, project, two_patches  # noqa: F401
+
+INDEX = "diff --git a/src/a.c b/src/a.c\nindex 1234567..89abcde 100644\n"
+
+
+def test_backup_takes_the_pin_fetch_put_there(project: Project) -> None:
+    project.run("fetch", "--pin", PIN_B)
+    result = project.run("backup", "--pin", PIN_A, code=1)
+    assert f"fetched as pin {PIN_B}, not {PIN_A}" in result.output
+    project.run("backup")
+    status = json.loads(project.run("status", "--json").output)
+    assert status["pin"] == PIN_B and f"upstream/{PIN_B}" in status["backup"]
+
+
+def test_from_dir_is_checked(project: Project, tmp_path: Path) -> None:
+    project.prepared()  # project.tree is now a managed (patched-able) tree
+    result = project.run("fetch", "--from", str(project.tree), "--tree", str(tmp_path / "t1"), code=1)
+    assert "managed by opencoti-patch" in result.output
+    result = project.run("fetch", "--from", str(tmp_path), "--tree", str(tmp_path / "t2"), code=1)
+    assert "holds) the tree folder" in result.output
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "x.c").write_text("int x;\n")
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    result = project.run("fetch", "--from", str(checkout), "--tree", str(tmp_path / "t3"), code=1)
+    assert f"not pin {PIN_A}" in result.output
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "x.c").write_text("int x;\n")
+    result = project.run("fetch", "--from", str(plain), "--tree", str(tmp_path / "t4"))
+    assert "cannot be checked" in result.output and (tmp_path / "t4" / "x.c").is_file()
+
+
+def _killed_mid_apply(project: Project) -> Path:
+    two_patches(project)
+    project.run("unapply", "1")
+    (project.tree / ".git" / "opencoti" / "txn").write_text("x\n")
+    project.edit("src/b.h", "int b(void);", "int b(void); // half")
+    lock = project.tree / ".git" / "index.lock"
+    lock.write_text("")
+    return lock
+
+
+def test_restore_after_kill_9(project: Project) -> None:
+    lock = _killed_mid_apply(project)
+    out = project.run("restore").output
+    assert f"removed {lock}" in out and not lock.exists()
+    assert "refusing" not in out and "interrupted.patch" in out  # saved, not taken for user work
+
+
+def test_apply_after_kill_9(project: Project) -> None:
+    lock = _killed_mid_apply(project)
+    project.run("apply")
+    assert not lock.exists()
+    project.run("snapshot", "--check")
+
+
+def test_a_foreign_index_lock_is_named(project: Project) -> None:
+    two_patches(project)
+    lock = project.tree / ".git" / "index.lock"
+    lock.write_text("")
+    for args in (["unapply", "1"], ["apply"], ["restore"]):
+        result = project.run(*args, code=1)
+        assert str(lock) in result.output and "delete" in result.output, args
+    assert lock.exists()  # not ours to remove: no opencoti-patch run was interrupted
+
+
+def test_markers_checks_the_default_tree_and_exits_4(project: Project) -> None:
+    two_patches(project)
+    result = project.run("markers", code=4)  # the patches carry unmarked changes
+    assert f"(tree {project.tree})" in result.output and "unmarked" in result.output
+
+
+def test_context_mismatch_shows_the_whole_lines(project: Project) -> None:
+    project.prepared()
+    long_tail = " // " + "x" * 90
+    project.edit("src/a.c", "int line_21 = 21;", "int line_21 = 21;" + long_tail + "A")
+    project.run("snapshot", "--new", "long", "--subject", "a long line")
+    _write_patch(project, "0002-long.patch",
+                 _hunk(20).replace(" int line_21 = 21;", " int line_21 = 21;" + long_tail + "B"))
+    out = project.run("apply", code=3).output
+    assert f"expected 'int line_21 = 21;{long_tail}B', found 'int line_21 = 21;{long_tail}A'" in out
+    assert "differ from column 112" in out
+
+
+def test_recovery_commands_keep_the_path_options(project: Project, tmp_path: Path) -> None:
+    work = tmp_path / "elsewhere"
+    project.run("prepare", "--work-dir", str(work))
+    _write_patch(project, "0001-fuzz.patch", _hunk(20).replace(" int line_21 = 21;", " int line_21 = 99;"))
+    out = project.run("apply", "--work-dir", str(work), code=3).output
+    assert f"opencoti-patch restore --work-dir {work}" in out
+    assert f"opencoti-patch apply --3way --work-dir {work}" in out
+
+
+def test_three_way_failure_gives_the_reason_not_git_noise(project: Project) -> None:
+    project.prepared()
+    body = _hunk(20).replace(" int line_21 = 21;", " int line_21 = 99;")
+    _write_patch(project, "0001-foreign.patch", body.replace("diff --git a/src/a.c b/src/a.c\n", INDEX, 1))
+    out = project.run("apply", "--3way", code=3).output
+    assert "not made against this upstream" in out
+    for noise in ("Falling back", "patch failed:", "Checking patch"):
+        assert noise not in out
