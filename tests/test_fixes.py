@@ -6,8 +6,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from stackutil import Project
-from test_patchstack import PIN_A, PIN_B, _hunk, _write_patch, project, two_patches  # noqa: F401
+from stackutil import PIN_A, PIN_B, Project
+from test_patchstack import _hunk, _write_patch, two_patches
 
 INDEX = "diff --git a/src/a.c b/src/a.c\nindex 1234567..89abcde 100644\n"
 

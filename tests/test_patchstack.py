@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from stackutil import Project, make_sdist, upstream_toml, write_upstream
+from stackutil import PIN_A, PIN_B, Project, write_upstream
 
 from opencoti_patch.cli import cli
 from opencoti_patch.cli.stack import COMMANDS
@@ -21,28 +21,6 @@ from opencoti_patch.config import Settings
 from opencoti_patch.safe_extract import UnsafeArchive, extract_tar
 from opencoti_patch.stack import apply as apply_mod
 from opencoti_patch.stack.tree import tree_lock
-
-PIN_A, PIN_B = "aaa1111", "bbb2222"
-
-
-@pytest.fixture
-def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Project:
-    from click.testing import CliRunner
-
-    up_a = write_upstream(tmp_path / "src-a")
-    up_b = write_upstream(tmp_path / "src-b", drift=True)
-    sha_a = make_sdist(up_a, tmp_path / "a.tar.gz")
-    sha_b = make_sdist(up_b, tmp_path / "b.tar.gz", top="pkg-2.0")
-    root = tmp_path / "proj"
-    (root / "patches").mkdir(parents=True)
-    (root / "patches" / "upstream.toml").write_text(
-        upstream_toml({PIN_A: (tmp_path / "a.tar.gz", sha_a), PIN_B: (tmp_path / "b.tar.gz", sha_b)}, PIN_A)
-    )
-    for var in ("OPENCOTI_TREE", "OPENCOTI_WORK", "OPENCOTI_PATCHES", "OPENCOTI_SDIST", "OPENCOTI_LOCK_WAIT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("OPENCOTI_ROOT", str(root))
-    monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path / "cache"))
-    return Project(root, CliRunner(), tmp_path / "a.tar.gz", sha_a, tmp_path / "b.tar.gz", sha_b)
 
 
 def two_patches(p: Project) -> None:
