@@ -112,3 +112,31 @@ def test_three_way_failure_gives_the_reason_not_git_noise(project: Project) -> N
     assert "not made against this upstream" in out
     for noise in ("Falling back", "patch failed:", "Checking patch"):
         assert noise not in out
+
+
+# -- the pin and the stamp: the Tree's pin, a tree that matches patches/ ------------------------------
+
+
+def test_rebuild_stamps_the_trees_pin_after_a_rebase(project: Project) -> None:
+    from opencoti_patch.cli.build import _pin_and_staleness
+    from opencoti_patch.config import Settings
+
+    two_patches(project)
+    project.run("rebase", "--to", PIN_B, code=3)
+    project.run("rebase", "--skip")  # both upstream/<pin> tags exist now
+    tags = subprocess.run(["git", "-C", str(project.tree), "tag"], capture_output=True, text=True).stdout
+    assert f"upstream/{PIN_A}" in tags and f"upstream/{PIN_B}" in tags
+    pin, stale = _pin_and_staleness(Settings.resolve(), None, None)
+    assert pin == PIN_B  # not upstream.toml's default (A)
+    assert stale  # 0002 was skipped: the tree does not carry the series until `snapshot`
+    project.run("snapshot")
+    assert _pin_and_staleness(Settings.resolve(), None, None) == (PIN_B, [])
+
+
+def test_rebuild_refuses_a_stale_tree_before_building(project: Project) -> None:
+    two_patches(project)
+    project.edit("src/b.h", "int c(void);", "int c(void); // not captured")
+    result = project.run("rebuild", "--no-cuda", code=4)
+    assert "stale against" in result.output and "uncaptured edit" in result.output
+    result = project.run("rebuild", "--no-cuda", "--pin", PIN_B, code=1)
+    assert f"backed up as pin {PIN_A}" in result.output

@@ -45,7 +45,8 @@ from .. import __version__
 from ..errors import CheckFailed, OpencotiError
 from ..report import render
 from ..stack.series import read_series
-from ..stack.upstream import load_upstream, sha256_file
+from ..stack.tree import run_git
+from ..stack.upstream import sha256_file
 
 # --------------------------------------------------------------------------- constants
 
@@ -160,22 +161,6 @@ def build_stamp(pin: str, fingerprint: str) -> str:
     return f"{pin}+{fingerprint[:12]}"
 
 
-def detect_pin(tree: Path, upstream_file: Path | None = None) -> str | None:
-    """The pin: the ``upstream/<pin>`` tag of the vendored tree, else upstream.toml's default."""
-    if not (Path(tree) / ".git").exists():
-        return default_pin(upstream_file)
-    out = subprocess.run(["git", "-C", str(tree), "tag", "--list", "upstream/*"],
-                         capture_output=True, text=True)
-    tags = [t.strip() for t in out.stdout.splitlines() if t.strip()]
-    return tags[0].split("/", 1)[1] if len(tags) == 1 else default_pin(upstream_file)
-
-
-def default_pin(upstream_file: Path | None) -> str | None:
-    if upstream_file is None or not Path(upstream_file).is_file():
-        return None
-    return load_upstream(Path(upstream_file)).pin(None).name
-
-
 # --------------------------------------------------------------------------- tree export
 
 def _excluded(rel: str) -> bool:
@@ -227,11 +212,9 @@ class ExportResult:
 def _tree_entries(tree: Path, rev: str | None) -> Iterator[tuple[str, bytes | None, int, str | None]]:
     """(relative path, bytes or None for a symlink, mode, link target) of what gets exported."""
     if rev is not None:
-        data = subprocess.run(["git", "-C", str(tree), "archive", "--format=tar", rev],
-                              capture_output=True, check=False)
-        if data.returncode != 0:
-            raise OpencotiError(f"git archive {rev} in {tree} failed: {data.stderr.decode().strip()}")
-        with tarfile.open(fileobj=io.BytesIO(data.stdout)) as tar:
+        data = run_git(tree, "archive", "--format=tar", rev, check=True)
+        assert isinstance(data.out, bytes)
+        with tarfile.open(fileobj=io.BytesIO(data.out)) as tar:
             for m in tar:
                 if m.isfile():
                     f = tar.extractfile(m)
@@ -240,9 +223,8 @@ def _tree_entries(tree: Path, rev: str | None) -> Iterator[tuple[str, bytes | No
                     yield m.name, None, 0o777, m.linkname
         return
     if (tree / ".git").exists():
-        out = subprocess.run(["git", "-C", str(tree), "ls-files", "-z", "-c", "-o", "--exclude-standard"],
-                             capture_output=True, check=True)
-        rels = sorted({r for r in out.stdout.decode().split("\0") if r})
+        out = run_git(tree, "ls-files", "-z", "-c", "-o", "--exclude-standard", check=True)
+        rels = sorted({r for r in out.text.split("\0") if r})
     else:
         rels = sorted(p.relative_to(tree).as_posix() for p in tree.rglob("*")
                       if p.is_file() or p.is_symlink())
@@ -718,13 +700,9 @@ def install(manifest: dict[str, Any], bin_dir: Path, dest: Path) -> list[str]:
 def git_source_info(tree: Path, rev: str | None) -> dict[str, Any]:
     info: dict[str, Any] = {"tree": str(tree), "rev": rev or "working-tree"}
     if (Path(tree) / ".git").exists():
-        head = subprocess.run(["git", "-C", str(tree), "rev-parse", rev or "HEAD"], capture_output=True,
-                              text=True)
-        info["commit"] = head.stdout.strip() or None
+        info["commit"] = run_git(tree, "rev-parse", rev or "HEAD").text.strip() or None
         if rev is None:
-            st = subprocess.run(["git", "-C", str(tree), "status", "--porcelain"], capture_output=True,
-                                text=True)
-            info["dirty"] = bool(st.stdout.strip())
+            info["dirty"] = bool(run_git(tree, "status", "--porcelain").text.strip())
     return info
 
 
@@ -733,7 +711,10 @@ def git_source_info(tree: Path, rev: str | None) -> dict[str, Any]:
 def rebuild(tree: Path, work: Path, opts: BuildOptions, *, label: str, rev: str | None,
             pin: str, patches_dir: Path | None, template_dirs: Sequence[Path],
             install_dirs: Sequence[Path] = (), fresh: bool = False, progress: bool = True,
+            stale: Sequence[str] = (),
             ) -> tuple[dict[str, Any], Path]:
+    """Export, build and stamp; ``stale``: why the tree is not exactly pristine + the series
+    fingerprinted in the stamp (recorded in the manifest; empty: it is)."""
     work = Path(work).resolve()
     fingerprint = series_fingerprint(patches_dir)
     opts = replace(opts, build_commit=build_stamp(pin, fingerprint))
@@ -745,6 +726,8 @@ def rebuild(tree: Path, work: Path, opts: BuildOptions, *, label: str, rev: str 
     manifest = make_manifest(result, pin=pin, fingerprint=fingerprint,
                              series=read_series(Path(patches_dir)) if patches_dir else [],
                              source=git_source_info(Path(tree), rev), tools=tools)
+    manifest["tree_matches_series"] = not stale
+    manifest["stale"] = list(stale)
     out_dir = result.build
     write_manifest(manifest, out_dir, template_dirs)
     for d in install_dirs:

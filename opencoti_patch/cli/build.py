@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from ..build.builder import (
     OPTIONAL_TARGETS,
     TOOL_TARGETS,
     BuildOptions,
-    detect_pin,
     have_ccache,
     have_gpu,
     rebuild,
@@ -26,7 +24,9 @@ from ..build.builder import (
 from ..build.identical import VerifyConfig, raise_on_failure, verify_identical
 from ..build.workflow import WORKFLOW_OUT, write_workflow
 from ..config import Settings
-from ..errors import OpencotiError
+from ..errors import CheckFailed, OpencotiError
+from ..stack.status import stale_against_series
+from ..stack.tree import Tree, run_git, tree_lock
 from .options import common_options
 
 
@@ -69,8 +69,10 @@ def build_options(f: Any) -> Any:
 
 @click.command("rebuild")
 @click.option("--rev", help="Build this commit of the tree (git archive) instead of its files as they are.")
-@click.option("--pin", help="Upstream pin for the stamp (default: the tree's upstream/<pin> tag or "
-                            "upstream.toml's default).")
+@click.option("--pin", help="Upstream pin for the stamp (default: the pin the tree was backed up as; "
+                            "only a folder opencoti-patch does not manage needs it).")
+@click.option("--allow-stale", is_flag=True,
+              help="Build a tree that is not exactly pristine + patches/series (the manifest says so).")
 @click.option("--targets", "targets", multiple=True, metavar="T1,T2",
               help=f"Build targets (default: {', '.join(LIB_TARGETS + TOOL_TARGETS)}, plus "
                    f"{', '.join(OPTIONAL_TARGETS)} when the tree has it; ggml-cuda with --cuda).")
@@ -83,7 +85,8 @@ def build_options(f: Any) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @build_options
 @common_options
-def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, targets: tuple[str, ...],
+def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, allow_stale: bool,
+                targets: tuple[str, ...],
                 label: str | None, build_root: Path | None, fresh: bool, install_dirs: tuple[Path, ...],
                 as_json: bool, cuda: bool | None, cuda_arch: str, cpu_variant: str, no_ccache: bool,
                 jobs: int | None, cmake_args: tuple[str, ...], no_progress: bool) -> None:
@@ -91,16 +94,21 @@ def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, targets: t
     libllama-common) and tools reproducibly, stamp them with <pin>+<series fingerprint> and write
     opencoti-build-manifest.{json,md} next to them."""
     use_cuda = _cuda(cuda)
-    pin = pin or detect_pin(settings.tree, settings.upstream_file) or "unknown"
     opts = BuildOptions(
         targets=_targets(targets, (*LIB_TARGETS, *TOOL_TARGETS, *OPTIONAL_TARGETS)),
         cuda=use_cuda, cuda_arch=cuda_arch, cpu_variant=cpu_variant,
         ccache=not no_ccache and have_ccache(), jobs=jobs, extra_cmake=cmake_args)
     root = (build_root or settings.work_dir / "build").resolve()
-    manifest, out_dir = rebuild(settings.tree, root, opts, label=label or ("cuda" if use_cuda else "cpu"),
-                                rev=rev, pin=pin, patches_dir=settings.patches_dir,
-                                template_dirs=settings.templates_dirs, install_dirs=install_dirs,
-                                fresh=fresh, progress=not no_progress)
+    with tree_lock(settings):  # nothing may apply/unapply while the files are exported
+        stamp_pin, stale = _pin_and_staleness(settings, pin, rev)
+        if stale and not allow_stale:
+            raise CheckFailed(f"{settings.tree} is stale against {settings.patches_dir}: "
+                              f"{'; '.join(stale)}; `{settings.command('apply')}` or `snapshot` first, "
+                              "or pass --allow-stale")
+        manifest, out_dir = rebuild(settings.tree, root, opts, label=label or ("cuda" if use_cuda else "cpu"),
+                                    rev=rev, pin=stamp_pin, patches_dir=settings.patches_dir,
+                                    template_dirs=settings.templates_dirs, install_dirs=install_dirs,
+                                    fresh=fresh, progress=not no_progress, stale=stale)
     if as_json:
         click.echo(json.dumps(manifest, indent=2, sort_keys=True))
         return
@@ -108,6 +116,20 @@ def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, targets: t
     click.echo(f"manifest: {out_dir}/opencoti-build-manifest.json (.md)")
     for d in install_dirs:
         click.echo(f"installed + verified: {d}")
+
+
+def _pin_and_staleness(settings: Settings, pin: str | None, rev: str | None) -> tuple[str, list[str]]:
+    """The stamp's pin is the Tree's; the stamp's fingerprint is patches/, so the tree must match it."""
+    tree = Tree(settings)
+    if tree.is_repo() and tree.read_state().get("pin"):
+        if pin and pin != tree.pin:
+            raise OpencotiError(f"--pin {pin}: {settings.tree} was backed up as pin {tree.pin}")
+        stale = stale_against_series(tree) if rev is None else []
+        return tree.pin, stale
+    if not pin:
+        raise OpencotiError(f"{settings.tree} is not a tree opencoti-patch backed up: "
+                            "pass --pin for the stamp")
+    return pin, [f"{settings.tree} is not managed by opencoti-patch: its match with patches/ is unchecked"]
 
 
 @click.command("verify-identical")
@@ -156,7 +178,7 @@ def verify_identical_cmd(settings: Settings, pristine_rev: str | None, patched_r
     if pristine_dir is not None:
         pristine: tuple[Path, str | None] = (pristine_dir, None)
     else:
-        pristine = (tree, pristine_rev or _default_pristine_rev(tree, settings))
+        pristine = (tree, pristine_rev or _default_pristine_rev(settings))
     if patched_dir is not None:
         patched: tuple[Path, str | None] = (patched_dir, None)
     elif patch_files and patched_rev is None:
@@ -177,7 +199,8 @@ def verify_identical_cmd(settings: Settings, pristine_rev: str | None, patched_r
                        patched_args=tuple(a for arg in patched_args for a in arg.split()),
                        progress=not no_progress)
     out = (report_dir or root / "report").resolve()
-    data = verify_identical(cfg, settings.templates_dirs, out)
+    with tree_lock(settings):
+        data = verify_identical(cfg, settings.templates_dirs, out)
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
@@ -187,17 +210,15 @@ def verify_identical_cmd(settings: Settings, pristine_rev: str | None, patched_r
     raise_on_failure(data)
 
 
-def _default_pristine_rev(tree: Path, settings: Settings) -> str:
-    pin = detect_pin(tree, settings.upstream_file)
-    tags = set()
-    if (tree / ".git").exists():
-        out = subprocess.run(["git", "-C", str(tree), "tag", "--list"], capture_output=True, text=True)
-        tags = {t.strip() for t in out.stdout.splitlines()}
-    for cand in ([f"upstream/{pin}"] if pin else []) + ["upstream"]:
-        if cand in tags:
-            return cand
-    raise OpencotiError(f"no upstream/<pin> or 'upstream' tag in {tree}: "
-                        "pass --pristine-rev or --pristine-dir")
+def _default_pristine_rev(settings: Settings) -> str:
+    """The pristine upstream of the tree: the tag of the pin it was backed up as (Tree.pin)."""
+    tree = Tree(settings)
+    if tree.is_repo() and tree.read_state().get("pin"):
+        return tree.tag
+    if tree.is_repo() and run_git(settings.tree, "rev-parse", "--verify", "--quiet", "upstream").rc == 0:
+        return "upstream"
+    raise OpencotiError(f"{settings.tree} is not a tree opencoti-patch backed up (and has no 'upstream' "
+                        "tag): pass --pristine-rev or --pristine-dir")
 
 
 @click.command("ci-workflow")

@@ -8,7 +8,6 @@ Exit codes (docs/usage.md): 0 ok · 1 error · 2 usage · 3 patch failed/conflic
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -18,7 +17,8 @@ from ..markers.audit import fix_tree
 from ..report import info, render
 from ..stack import apply as apply_mod
 from ..stack.capture import NewPatch, snapshot, stale_report, summary
-from ..stack.series import load_series, parse_patch, read_series
+from ..stack.series import load_series
+from ..stack.status import status_data
 from ..stack.tree import Tree, tree_lock
 from ..stack.upstream import Upstream, fetched_pin, load_upstream, materialize, set_default_pin
 from .options import common_options, emit
@@ -179,57 +179,6 @@ def unapply_cmd(settings: Settings, count: int | None, force: bool, dry_run: boo
     text = f"{verb} {len(popped)} patch(es)" + "".join(f"\n  - {n}" for n in popped)
     text = text if popped else "no patch applied; nothing to do"
     emit({"popped": popped, "dry_run": dry_run}, as_json, text)
-
-
-def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
-    tree = Tree(settings)
-    try:
-        project_pin: str | None = _upstream(settings).default
-    except OpencotiError:
-        project_pin = None
-    data: dict[str, Any] = {"tree": str(settings.tree), "exists": tree.exists(), "pin": None,
-                            "project_pin": project_pin, "backup": "none", "applied": [],
-                            "unapplied": [], "uncaptured_commits": [], "dirty": [],
-                            "interrupted": False, "rebase": None}
-    series = read_series(settings.patches_dir)
-    if not tree.exists() or not tree.is_repo() or not tree.read_state().get("pin"):
-        data["backup"] = f"none (run `{settings.command('backup')}`)" if tree.exists() else "none"
-        data["unapplied"] = series
-        return data
-    data["pin"] = tree.pin
-    if tree.rev(tree.tag) is None:
-        data["backup"] = f"DAMAGED: tag {tree.tag} missing"
-        return data
-    if verify:
-        problems = tree.verify_backup()
-        data["backup"] = f"{tree.tag}: " + ("verified intact" if not problems else "DAMAGED: " + problems[0])
-    else:
-        data["backup"] = f"{tree.tag} (manifest present; `backup --verify` to prove it)" \
-            if tree.manifest_path(tree.pin).is_file() else f"{tree.tag} (manifest MISSING)"
-    by_name = {name: settings.patches_dir / name for name in series}
-    stack = tree.stack()
-    applied = []
-    for c in stack:
-        if c.patch is None:
-            data["uncaptured_commits"].append(f"{c.sha[:12]} {c.subject}")
-            continue
-        state = "ok"
-        if c.patch not in by_name:
-            state = "not in series"
-        elif not by_name[c.patch].is_file():
-            state = "file missing"
-        elif parse_patch(by_name[c.patch]).sha256 != c.patch_sha256:
-            state = "file changed since applied"
-        applied.append({"name": c.patch, "state": state})
-    data["applied"] = applied
-    names = {a["name"] for a in applied}
-    data["unapplied"] = [n for n in series if n not in names]
-    data["dirty"] = tree.dirty()
-    data["interrupted"] = tree.interrupted()
-    rebasing = apply_mod.rebase_state(tree)
-    if rebasing:
-        data["rebase"] = {"to": rebasing["to"], "current": (rebasing.get("current") or {}).get("patch")}
-    return data
 
 
 @click.command("status")
