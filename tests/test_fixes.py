@@ -6,6 +6,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from stackutil import PIN_A, PIN_B, Project
 from test_patchstack import _hunk, _write_patch, two_patches
 
@@ -140,3 +141,28 @@ def test_rebuild_refuses_a_stale_tree_before_building(project: Project) -> None:
     assert "stale against" in result.output and "uncaptured edit" in result.output
     result = project.run("rebuild", "--no-cuda", "--pin", PIN_B, code=1)
     assert f"backed up as pin {PIN_A}" in result.output
+
+
+def test_snapshot_proves_the_round_trip_before_replacing_patches(project: Project,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from opencoti_patch.stack import capture
+
+    two_patches(project)
+    before = {p.name: p.read_bytes() for p in project.patches.iterdir()}
+    project.edit("src/b.h", "int c(void);", "int c(void);\nint d(void);")
+    seen: list[Path] = []
+
+    def failing(tree: object, names: list[str], patches_dir: Path, expected: str) -> capture.RoundTrip:
+        seen.append(patches_dir)
+        assert {p.name: p.read_bytes() for p in project.patches.iterdir()} == before  # not yet replaced
+        return capture.RoundTrip(False, expected, "0" * 40, ["src/b.h"])
+
+    with monkeypatch.context() as m:
+        m.setattr(capture, "prove_round_trip", failing)
+        result = project.run("snapshot", "--top", code=4)
+    assert "was left as it was" in result.output and seen and seen[0] != project.patches
+    assert {p.name: p.read_bytes() for p in project.patches.iterdir()} == before
+    assert sorted(p.name for p in project.root.iterdir() if p.name.startswith(".patches")) == []
+    project.run("snapshot", "--top")
+    assert b"int d(void);" in (project.patches / "0002-second.patch").read_bytes()
+    project.run("snapshot", "--check")

@@ -14,6 +14,10 @@ scratch index gives the git tree hash of the edited tree, byte for byte.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -223,14 +227,25 @@ def snapshot(
         result.stale = sorted(set(result.written) | set(result.removed)
                               | ({"series"} if result.series != series else set()))
         return result
-    # write files, then rewrite the commits with the new trailers
-    for e, data in rendered:
-        if (e.name or "") in result.written:
-            (settings.patches_dir / (e.name or "")).write_bytes(data)
-    for name in result.removed:
-        if name not in names:
-            (settings.patches_dir / name).unlink(missing_ok=True)
-    write_series(settings.patches_dir, result.series)
+    # render the new patches/ into a staging folder, prove the round trip from it, then swap it in
+    final_tree = entries[-1].tree if entries else _tree_of(tree, tree.tag)
+    with staged_patches_dir(settings.patches_dir) as staging:
+        for e, data in rendered:
+            if (e.name or "") in result.written:
+                (staging / (e.name or "")).write_bytes(data)
+        for name in result.removed:
+            if name not in names:
+                (staging / name).unlink(missing_ok=True)
+        write_series(staging, result.series)
+        if verify:
+            result.roundtrip = prove_round_trip(tree, names, staging, final_tree)
+            if not result.roundtrip.ok:
+                raise CheckFailed(
+                    f"round trip failed: re-applying the series to {tree.tag} does not give the edited "
+                    f"tree ({result.roundtrip.detail or ', '.join(result.roundtrip.differs[:5])}); "
+                    f"{settings.patches_dir} was left as it was"
+                )
+    # patches/ is the proven one now: rewrite the commits with the new trailers
     tree.write_state(dropped=[])
     commit = tree.rev(tree.tag) or ""
     for e, _data in rendered:
@@ -239,22 +254,39 @@ def snapshot(
         commit = tree.commit_tree(e.tree, [commit], message, e.header.author)
     tree.git("read-tree", commit)
     tree.move_head(commit)
-    if verify:
-        result.roundtrip = prove_round_trip(tree, names)
-        if not result.roundtrip.ok:
-            raise CheckFailed(
-                f"round trip failed: re-applying the series to {tree.tag} does not give the edited "
-                f"tree ({result.roundtrip.detail or ', '.join(result.roundtrip.differs[:5])})"
-            )
     return result
 
 
-def prove_round_trip(tree: Tree, names: list[str]) -> RoundTrip:
-    """Apply ``names`` to the pristine tree in a scratch index; compare with HEAD's tree."""
-    expected = _tree_of(tree, "HEAD")
+@contextmanager
+def staged_patches_dir(patches_dir: Path) -> Iterator[Path]:
+    """A copy of ``patches_dir`` to change; it replaces ``patches_dir`` when the block succeeds.
+
+    The swap is two renames in the same parent folder; on any error the staging copy is deleted
+    and ``patches_dir`` is untouched.
+    """
+    parent = patches_dir.parent
+    staging = Path(tempfile.mkdtemp(prefix=f".{patches_dir.name}.new-", dir=parent))
+    old = parent / f".{patches_dir.name}.old-{staging.name.rsplit('-', 1)[-1]}"
+    try:
+        shutil.copytree(patches_dir, staging, symlinks=True, dirs_exist_ok=True)
+        yield staging
+        staging.chmod(patches_dir.stat().st_mode & 0o7777)
+        patches_dir.rename(old)
+        staging.rename(patches_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prove_round_trip(tree: Tree, names: list[str], patches_dir: Path | None = None,
+                     expected: str | None = None) -> RoundTrip:
+    """Apply ``names`` (from ``patches_dir``) to the pristine tree in a scratch index; compare with
+    the git tree ``expected`` (default: HEAD's)."""
+    expected = expected or _tree_of(tree, "HEAD")
+    patches_dir = patches_dir or tree.settings.patches_dir
     with scratch_index(tree, tree.tag) as index:
         for name in names:
-            patch = parse_patch(tree.settings.patches_dir / name)
+            patch = parse_patch(patches_dir / name)
             outcome = apply_one(tree, patch, three_way=False, index=index)
             if outcome.status != CLEAN:
                 return RoundTrip(False, expected, "", [], f"{name}: {outcome.detail}")
