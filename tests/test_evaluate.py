@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from opencoti_patch.build.harness import BATCH_EXE
+from opencoti_patch.config import Settings
 from opencoti_patch.errors import CheckFailed, OpencotiError
 from opencoti_patch.quality import evaluate as ev
 
@@ -352,8 +354,8 @@ def test_fidelity_text_is_ordered_and_cut(tmp_path: Path) -> None:
 
 # --- the real thing (needs the patched build + harness + model) -----------------------------------------
 
-BUILD = Path(os.environ.get("OPENCOTI_EVAL_BUILD", "/work/build-eval"))
-HARNESS = BUILD / "opencoti-harness" / ev.BATCH_EXE
+BUILD = Path(os.environ.get("OPENCOTI_EVAL_BUILD") or Settings.resolve().work_dir / "build" / "cpu" / "build")
+HARNESS = BUILD / "opencoti-harness" / BATCH_EXE
 
 
 @pytest.mark.build
@@ -364,7 +366,7 @@ def test_real_select_all_equals_dense_and_sparse_is_active(tmp_path: Path) -> No
     except OpencotiError:
         pytest.skip("no model")
     h = ev.Harness(exe=HARNESS, model=model)
-    docs = Path("/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp/docs")
+    docs = Settings.resolve().tree / "docs"
     if not docs.is_dir():
         pytest.skip("no docs text")
     fid = ev.run_fidelity(h, docs_dir=docs, contexts=[1024], steps=16, fractions=[0.25],

@@ -124,5 +124,18 @@ def test_click_only_in_cli_and_no_machine_paths(path: Path) -> None:
         for n in ast.walk(tree))
     if path.parent.name != "cli":
         assert not uses_click, f"{path.name} imports click outside cli/"
-    for machine in ("/work/", "/home/", "/root/", "/Users/"):
+    assert_no_machine_path(path, text)
+
+
+MACHINE_PATHS = ("/work/", "/home/", "/root/", "/Users/")
+
+
+def assert_no_machine_path(path: Path, text: str) -> None:
+    for machine in MACHINE_PATHS:
         assert machine not in text, f"{path.name} names a machine path ({machine}...)"
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.parent.joinpath("tests").glob("*.py")
+                                        if p.name != "test_layers.py"), ids=lambda p: p.name)
+def test_no_machine_paths_in_tests(path: Path) -> None:
+    assert_no_machine_path(path, path.read_text(encoding="utf-8"))

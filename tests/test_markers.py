@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from opencoti_patch.cli import cli
+from opencoti_patch.config import Settings
 from opencoti_patch.markers.audit import (
     AuditReport,
     audit,
@@ -448,7 +449,7 @@ def test_cli_diff_option(series: Series, tmp_path: Path) -> None:
 
 def _real_tree() -> Path | None:
     env = os.environ.get("OPENCOTI_TREE")
-    path = Path(env) if env else Path("/work/tree/llama.cpp")
+    path = Path(env) if env else Settings.resolve().tree
     return path if (path / ".git").exists() else None
 
 

@@ -32,24 +32,21 @@ from typing import Any
 from .. import __version__
 from ..errors import CheckFailed, OpencotiError
 from ..report import info, render
-from ..stack.series import read_series
+from ..stack.series import diff_paths, read_series
+from ..stack.tree import run_git
 from ..stack.upstream import sha256_file
 from .builder import (
     LIB_TARGETS,
     BuildOptions,
     BuildResult,
     artifact_key,
-    build_env,
     changed_files,
     collect_artifacts,
     configure_and_build,
     export_tree,
-    find_tool,
-    have_ccache,
-    run_logged,
 )
+from .harness import SINGLE_EXE, build_harness
 
-HARNESS_DIR = Path(__file__).resolve().parent.parent / "harness"
 VERIFY_STAMP = "opencoti-verify"  # the same build info in both builds, so it cannot be a difference
 
 # --------------------------------------------------------------------------- sources -> artifacts
@@ -120,20 +117,9 @@ def affected_artifacts(path: str, available: Iterable[str]) -> set[str]:
     return set()
 
 
-_DIFF_FILE = re.compile(r"^(?:diff --git a/(\S+) b/(\S+)|\+\+\+ b/(\S+)|--- a/(\S+))")
-
-
 def patch_files(patch_text: str) -> list[str]:
-    """Paths a unified/git diff touches (both sides of renames)."""
-    out: list[str] = []
-    for line in patch_text.splitlines():
-        m = _DIFF_FILE.match(line)
-        if not m:
-            continue
-        for g in m.groups():
-            if g and g != "/dev/null" and g not in out:
-                out.append(g)
-    return out
+    """Paths a unified/git diff touches (both sides of renames), read with the series' patch model."""
+    return diff_paths(patch_text.encode("utf-8", "surrogateescape"))
 
 
 def attribute(diffs: Iterable[str], patches: dict[str, list[str]],
@@ -230,14 +216,12 @@ def prepare_source(cfg: VerifyConfig, label: str, tree: Path, rev: str | None,
     exported = export_tree(tree, src, rev)
     info(f"[{label}] exported {exported.files} files from {exported.source} of {tree} "
          f"({exported.written} written, {exported.removed} removed)")
-    env = build_env(src.parent, cfg.options)
+    ceiling = {"GIT_CEILING_DIRECTORIES": str(src.parent)}  # no enclosing repository: plain files
     for p in patches:
-        # GNU patch does not look for an enclosing git repository (git apply would, from a work dir
-        # inside one); --forward + --batch: never prompt
-        out = subprocess.run(["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-i",
-                              str(Path(p).resolve())], cwd=src, capture_output=True, text=True, env=env)
-        if out.returncode != 0:
-            raise OpencotiError(f"[{label}] {p} does not apply to the export:\n{out.stdout}{out.stderr}")
+        # the applier of the stack (git apply: exact, no fuzz)
+        out = run_git(src, "apply", "--whitespace=nowarn", str(Path(p).resolve()), env=ceiling)
+        if out.rc != 0:
+            raise OpencotiError(f"[{label}] {p} does not apply to the export:\n{out.err}")
     return src
 
 
@@ -248,26 +232,6 @@ def build_label(cfg: VerifyConfig, label: str, opts: BuildOptions, fresh: bool =
                               progress=cfg.progress)
     info(f"[{label}] built in {res.seconds:.0f} s")
     return res
-
-
-def build_harness(res: BuildResult, opts: BuildOptions) -> Path:
-    """Configure + build harness/ against one llama.cpp build; returns the executable."""
-    hbuild = res.build.parent / "harness"
-    cmake, ninja = find_tool("cmake"), find_tool("ninja")
-    env = build_env(res.build.parent.parent, opts)
-    args = [cmake, "-S", str(HARNESS_DIR), "-B", str(hbuild), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
-            "-DCMAKE_BUILD_TYPE=Release", f"-DLLAMA_SRC={res.src}", f"-DLLAMA_BIN={res.bin}",
-            f"-DCMAKE_CXX_FLAGS=-ffile-prefix-map={res.src}=."]
-    if opts.ccache and have_ccache():
-        args.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
-    log = hbuild / "opencoti-harness-build.log"
-    hbuild.mkdir(parents=True, exist_ok=True)
-    log.write_text("")
-    if run_logged(args, log, env) != 0 or run_logged([ninja, "-C", str(hbuild)], log, env) != 0:
-        text = log.read_text(errors="replace").splitlines()
-        raise OpencotiError(f"harness build against {res.label} failed (log: {log})\n"
-                            + "\n".join(text[-20:]))
-    return hbuild / "opencoti-harness"
 
 
 def ensure_model(cfg: VerifyConfig, gguf_tree: Path) -> Path:
@@ -481,7 +445,8 @@ def verify_identical(cfg: VerifyConfig, template_dirs: Sequence[Path], report_di
     # 3. behaviour
     if len(builds) == 2:
         try:
-            exes = {label: build_harness(res, opts) for label, res in builds.items()}
+            exes = {label: build_harness(res.src, res.bin, res.build.parent / "harness", opts,
+                                         label=res.label) / SINGLE_EXE for label, res in builds.items()}
             model = ensure_model(cfg, psrc)
             meta["model"] = {"path": str(model), "sha256": sha256_file(model)}
             for kv in cfg.kv_types:

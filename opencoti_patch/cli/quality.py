@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from ..build.harness import BATCH_EXE, build_harness
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError
 from ..quality import evaluate as ev
@@ -121,8 +122,9 @@ def _harness(o: dict[str, Any]) -> ev.Harness:
         build: Path = o["build_dir"]
         if not (build / "bin").is_dir():
             raise OpencotiError(f"no llama.cpp build at {build} (build it, or pass --harness)")
-        info(f"building {ev.BATCH_EXE} against {build}/bin")
-        exe = ev.build_harness(o["llama_src"], build / "bin", build / "opencoti-harness")
+        info(f"building {BATCH_EXE} against {build}/bin")
+        exe = build_harness(o["llama_src"], build / "bin", build / "opencoti-harness",
+                            targets=(BATCH_EXE,)) / BATCH_EXE
     # --swa-full: Gemma 3 is iSWA; a full-size SWA cache lets consecutive prompts keep their common prefix
     return ev.Harness(exe=exe, model=model, threads=o["threads"], log_dir=o["log_dir"],
                       cache_dir=o["cache_dir"], extra=("--swa-full",))

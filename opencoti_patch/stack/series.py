@@ -328,6 +328,16 @@ def _parse_hunk(lines: list[bytes], i: int, fp: FilePatch, name: str) -> int:
     return j
 
 
+def diff_paths(data: bytes, name: str = "diff") -> list[str]:
+    """The paths a patch (header + diff) touches, in order: old and new side of each file."""
+    out: list[str] = []
+    for fp in parse_diff(split_patch(data)[1], name):
+        for path in (fp.old_path, fp.new_path):
+            if path and path not in out:
+                out.append(path)
+    return out
+
+
 def parse_patch(path: Path) -> Patch:
     data = path.read_bytes()
     header_bytes, diff = split_patch(data)

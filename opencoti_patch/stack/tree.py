@@ -96,10 +96,10 @@ def isolated_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_git(path: Path, *args: str, check: bool = False) -> GitResult:
+def run_git(path: Path, *args: str, check: bool = False, env: dict[str, str] | None = None) -> GitResult:
     """git in any folder (not only a managed tree) with the same isolation as ``Tree.git``; bytes out."""
     proc = subprocess.run(["git", "-C", str(path), *args], capture_output=True,
-                          env={**os.environ, **isolated_env()})
+                          env={**os.environ, **(env or {}), **isolated_env()})
     result = GitResult(proc.returncode, proc.stdout, proc.stderr.decode("utf-8", "replace"))
     if check and result.rc != 0:
         last = (result.err.strip().splitlines() or ["(no message)"])[-1]
