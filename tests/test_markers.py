@@ -13,15 +13,10 @@ from click.testing import CliRunner
 
 from opencoti_patch.cli import cli
 from opencoti_patch.config import Settings
-from opencoti_patch.markers.audit import (
-    AuditReport,
-    audit,
-    diff_patch,
-    fix_lines,
-    fix_tree,
-    scan_markers,
-    unsafe_insert_points,
-)
+from opencoti_patch.markers.audit import AuditReport, audit, diff_patch
+from opencoti_patch.markers.fix import fix_lines, fix_tree
+from opencoti_patch.markers.lexers import unsafe_insert_points
+from opencoti_patch.markers.syntax import scan_markers
 from opencoti_patch.stack.series import load_series
 
 F = "sparse-attn"

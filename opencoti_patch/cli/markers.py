@@ -10,7 +10,8 @@ import click
 
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError, UsageProblem
-from ..markers.audit import AuditReport, audit, diff_patch, fix_tree, format_report
+from ..markers.audit import AuditReport, audit, diff_patch, format_report
+from ..markers.fix import fix_tree
 from ..report import info
 from ..stack.series import Patch, load_series, read_series
 from ..stack.tree import Tree, tree_lock

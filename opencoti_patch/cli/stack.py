@@ -13,7 +13,7 @@ import click
 
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError, PatchFailed
-from ..markers.audit import fix_tree
+from ..markers.fix import fix_tree
 from ..report import info, render
 from ..stack import apply as apply_mod
 from ..stack.capture import NewPatch, snapshot, stale_report, summary

@@ -27,6 +27,7 @@ import hashlib
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import OpencotiError
@@ -56,6 +57,22 @@ class Hunk:
     def preimage(self) -> list[bytes]:
         return [ln[1:] for ln in self.lines if ln[:1] in (b" ", b"-")]
 
+    @cached_property
+    def text_lines(self) -> tuple[tuple[str, str], ...]:
+        """(' ' | '-' | '+', text) per line, the text decoded (undecodable bytes kept as escapes)."""
+        return tuple((ln[:1].decode() or " ", ln[1:].decode("utf-8", errors="surrogateescape"))
+                     for ln in self.lines)
+
+    def new_side(self) -> list[tuple[int, str, str]]:
+        """(line number in the new file, tag, text) of the context and added lines."""
+        out: list[tuple[int, str, str]] = []
+        n = self.new_start
+        for tag, text in self.text_lines:
+            if tag != "-":
+                out.append((n, tag, text))
+                n += 1
+        return out
+
 
 @dataclass
 class FilePatch:
@@ -67,6 +84,18 @@ class FilePatch:
     @property
     def path(self) -> str:
         return self.new_path or self.old_path or ""
+
+    @property
+    def new_file(self) -> bool:
+        return self.old_path is None
+
+    @property
+    def deleted_file(self) -> bool:
+        return self.new_path is None
+
+    @property
+    def rename(self) -> bool:
+        return self.old_path is not None and self.new_path is not None and self.old_path != self.new_path
 
 
 @dataclass(frozen=True)
@@ -90,6 +119,12 @@ class Patch:
     @property
     def paths(self) -> set[str]:
         return {p for f in self.files for p in (f.old_path, f.new_path) if p}
+
+    @property
+    def feature_name(self) -> str | None:
+        """The feature of the patch: the first word of its ``Feature:`` field (None: none given)."""
+        words = self.header.feature.split()
+        return words[0] if words else None
 
 
 def check_name(name: str) -> None:
