@@ -14,6 +14,7 @@ Resolution order for each path: explicit option > environment variable > default
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,23 @@ def find_root(start: Path | None = None) -> Path:
         if (candidate / "patches").is_dir():
             return candidate
     return here
+
+
+def portable(text: str, root: Path | None = None) -> str:
+    """``text`` (a report, a manifest) without this machine's paths: paths under the project root
+    become relative to it, paths under the home folder start with ``~``."""
+    for prefix, short in ((root or find_root(), "."), (Path.home(), "~")):
+        base = str(prefix).rstrip("/")
+        if not base:
+            continue
+        pattern = re.compile(r"(?<![\w./-])" + re.escape(base) + r"(?=/|(?![\w.-]))(/)?")
+        text = pattern.sub(lambda m, s=short: "" if m.group(1) and s == "." else s + (m.group(1) or ""), text)
+    return text
+
+
+def write_report(path: Path, text: str, root: Path | None = None) -> None:
+    """Write a report or manifest with ``portable`` paths."""
+    path.write_text(portable(text, root), encoding="utf-8")
 
 
 def default_cache_dir() -> Path:

@@ -139,3 +139,24 @@ def assert_no_machine_path(path: Path, text: str) -> None:
                                         if p.name != "test_layers.py"), ids=lambda p: p.name)
 def test_no_machine_paths_in_tests(path: Path) -> None:
     assert_no_machine_path(path, path.read_text(encoding="utf-8"))
+
+
+DOCS = [PACKAGE.parent / "README.md", *sorted(p for p in (PACKAGE.parent / "docs").rglob("*")
+                                              if p.suffix in (".md", ".json", ".txt"))]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_no_machine_paths_in_docs_and_results(path: Path) -> None:
+    assert_no_machine_path(path, path.read_text(encoding="utf-8"))
+
+
+def test_reports_are_written_with_portable_paths(tmp_path: Path) -> None:
+    from opencoti_patch.config import portable, write_report
+
+    root = tmp_path / "proj"
+    text = (f"tree {root}/work/llama.cpp; root {root}; model {Path.home()}/.cache/m.gguf; "
+            f"sibling {root}x/file")
+    assert portable(text, root) == f"tree work/llama.cpp; root .; model ~/.cache/m.gguf; sibling {root}x/file"
+    out = tmp_path / "r.md"
+    write_report(out, f"{root}/a", root)
+    assert out.read_text() == "a"

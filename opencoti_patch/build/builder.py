@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .. import __version__
+from ..config import write_report
 from ..errors import CheckFailed, OpencotiError
 from ..report import render
 from ..stack.series import read_series
@@ -658,9 +659,9 @@ def write_manifest(manifest: dict[str, Any], out_dir: Path,
                    template_dirs: Sequence[Path]) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     js = out_dir / MANIFEST_JSON
-    js.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    write_report(js, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     md = out_dir / MANIFEST_MD
-    md.write_text(render(template_dirs, "build-manifest.md.j2", m=manifest))
+    write_report(md, render(template_dirs, "build-manifest.md.j2", m=manifest))
     return js, md
 
 

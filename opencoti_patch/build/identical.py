@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..config import write_report
 from ..errors import CheckFailed, OpencotiError
 from ..report import info, render
 from ..stack.series import diff_paths, read_series
@@ -377,9 +378,9 @@ def render_report(checks: Sequence[Check], meta: dict[str, Any], out_dir: Path,
     data = {"verdict": verdict, "meta": meta,
             "checks": [asdict(c) | {"status": c.status} for c in checks]}
     js = out_dir / "verify-identical.json"
-    js.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    write_report(js, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
     md = out_dir / "verify-identical.md"
-    md.write_text(render(template_dirs, "verify-identical.md.j2", r=data))
+    write_report(md, render(template_dirs, "verify-identical.md.j2", r=data))
     return js, md, data
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from ..config import Settings
+from ..config import Settings, write_report
 from ..quality import bench
 
 
@@ -65,8 +65,8 @@ def report_command(results: Path, out_dir: Path, name: str) -> None:
     if not rows:
         raise click.ClickException(f"no llama-bench results in {results}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(bench.ratios(rows), indent=1) + "\n")
-    (out_dir / f"{name}-table.md").write_text(bench.markdown_table(rows))
+    write_report(out_dir / f"{name}.json", json.dumps(bench.ratios(rows), indent=1) + "\n")
+    write_report(out_dir / f"{name}-table.md", bench.markdown_table(rows))
     png = bench.plot(rows, out_dir / f"{name}.png")
     click.echo(bench.markdown_table(rows))
     written = [out_dir / f"{name}.json", out_dir / f"{name}-table.md"] + ([png] if png else [])

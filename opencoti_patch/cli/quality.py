@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from ..build.harness import BATCH_EXE, build_harness
-from ..config import Settings
+from ..config import Settings, write_report
 from ..errors import CheckFailed, OpencotiError
 from ..quality import evaluate as ev
 from ..report import info
@@ -164,7 +164,7 @@ def _run(gates: list[str], o: dict[str, Any]) -> None:
         meta["harness_commands"] = list(dict.fromkeys(before + meta["harness_commands"]))
     data = ev.merge_results(json_path, {**update, "meta": meta})
     md_path = out_dir / f"{o['name']}.md"
-    md_path.write_text(ev.render_report(ev.default_template_dirs(), data))
+    write_report(md_path, ev.render_report(ev.default_template_dirs(), data))
     info(f"wrote {md_path} and {json_path}")
     _print_summary(update)
     if "fidelity" in update:
@@ -229,7 +229,7 @@ def report_cmd(out_dir: Path, name: str) -> None:
         raise OpencotiError(f"no {json_path}")
     data = ev.merge_results(json_path, {})
     md_path = out_dir / f"{name}.md"
-    md_path.write_text(ev.render_report(ev.default_template_dirs(), data))
+    write_report(md_path, ev.render_report(ev.default_template_dirs(), data))
     info(f"wrote {md_path}")
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import write_report
 from ..errors import CheckFailed, OpencotiError
 from ..progress import progress as _progress
 
@@ -700,7 +701,7 @@ def merge_results(path: Path, update: dict[str, Any]) -> dict[str, Any]:
             data = {}
     data.update(update)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_jsonable(data), indent=1, sort_keys=True) + "\n")
+    write_report(path, json.dumps(_jsonable(data), indent=1, sort_keys=True) + "\n")
     return json.loads(path.read_text())
 
 

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..config import Settings  # standard library only, like this module
+from ..config import Settings, write_report  # standard library only, like this module
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -1168,10 +1168,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     print(md)
     if a.markdown:
         a.markdown.parent.mkdir(parents=True, exist_ok=True)
-        a.markdown.write_text(md)
+        write_report(a.markdown, md)
     if a.json_out:
         a.json_out.parent.mkdir(parents=True, exist_ok=True)
-        a.json_out.write_text(json.dumps(_jsonable(result, True), indent=1, default=str) + "\n")
+        write_report(a.json_out, json.dumps(_jsonable(result, True), indent=1, default=str) + "\n")
     print("PASS" if result["passed"] else "FAIL", flush=True)
     return EXIT_OK if result["passed"] else EXIT_CHECK_FAILED
 
