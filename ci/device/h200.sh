@@ -42,7 +42,8 @@ prepare_src() {
     if [ -f "$ROOT/.carry/APPLY_SERIES" ]; then
         (cd "$SRC" && while read -r p; do
             case "$p" in ''|'#'*) continue;; esac
-            patch -p1 --no-backup-if-mismatch -s < "$ROOT/patches/$p" || exit 1
+            # the applier of the stack: git apply (exact, no fuzz); no repository above $SRC is used
+            GIT_CEILING_DIRECTORIES=$W git apply --whitespace=nowarn "$ROOT/patches/$p" || exit 1
         done < "$ROOT/patches/series")
     fi
 }

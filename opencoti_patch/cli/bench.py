@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import tarfile
-import tempfile
 from pathlib import Path
 
 import click
 
 from ..config import Settings, write_report
+from ..errors import OpencotiError
 from ..quality import bench
+from .options import common_options
 
 
 @click.group("bench")
@@ -28,16 +28,15 @@ def bench_group() -> None:
 
 
 @bench_group.command("pack")
-@click.option("--tree", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Patched llama.cpp tree (default: the vendored tree of this checkout).")
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False),
               default=Path(".carry/llama-src.tar.gz"), show_default=True,
               help="Tarball to write (keep it in a git-ignored folder named in `carry`).")
-def pack_command(tree: Path | None, out: Path) -> None:
-    """Write a slim tarball (no models/docs/examples: ~11 MB) of the patched tree."""
-    src = tree or Settings.resolve().tree
+@common_options
+def pack_command(settings: Settings, out: Path) -> None:
+    """Write a slim tarball (no models/docs/examples: ~11 MB) of the patched tree (--tree)."""
+    src = settings.tree
     if not (src / "CMakeLists.txt").is_file():
-        raise click.ClickException(f"{src} is not a llama.cpp tree (run `opencoti-patch prepare` first)")
+        raise OpencotiError(f"{src} is not a llama.cpp tree (run `{settings.command('prepare')}` first)")
     path = bench.pack_slim(src, out)
     click.echo(f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
@@ -49,21 +48,9 @@ def pack_command(tree: Path | None, out: Path) -> None:
 @click.option("--name", default="h200-decode", show_default=True, help="Base name of the files written.")
 def report_command(results: Path, out_dir: Path, name: str) -> None:
     """Turn llama-bench JSON (a results.tgz from ci/device/h200.sh, or a folder) into a report."""
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        if results.is_file():
-            with tarfile.open(results) as tar:
-                tar.extractall(root, filter="data")
-        else:
-            root = results
-        rows: list[bench.BenchRow] = []
-        for log in sorted(root.rglob("*.log")):
-            if not log.stem.startswith("bench"):
-                continue
-            model = "14b" if "14b" in log.stem else "8b"
-            rows += bench.parse_llama_bench(bench.load_json(log), model)
+    rows = bench.load_results(results)
     if not rows:
-        raise click.ClickException(f"no llama-bench results in {results}")
+        raise OpencotiError(f"no llama-bench results in {results}")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_report(out_dir / f"{name}.json", json.dumps(bench.ratios(rows), indent=1) + "\n")
     write_report(out_dir / f"{name}-table.md", bench.markdown_table(rows))

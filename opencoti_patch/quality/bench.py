@@ -11,6 +11,7 @@ import dataclasses
 import io
 import json
 import tarfile
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,20 @@ def plot(rows: list[BenchRow], out: Path) -> Path | None:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def load_results(results: Path) -> list[BenchRow]:
+    """The llama-bench rows of a ``results.tgz`` from ci/device/h200.sh (or an unpacked folder):
+    every ``bench*.log`` (JSON), the model from its name (``14b`` in it, else ``8b``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if results.is_file():
+            with tarfile.open(results) as tar:
+                tar.extractall(root, filter="data")  # the "data" filter refuses hostile members
+        else:
+            root = results
+        rows: list[BenchRow] = []
+        for log in sorted(root.rglob("*.log")):
+            if log.stem.startswith("bench"):
+                rows += parse_llama_bench(load_json(log), "14b" if "14b" in log.stem else "8b")
+    return rows

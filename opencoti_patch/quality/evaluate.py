@@ -43,6 +43,7 @@ import numpy as np
 from ..config import write_report
 from ..errors import CheckFailed, OpencotiError
 from ..progress import progress as _progress
+from ..stack.tree import run_git
 
 MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
 
@@ -753,8 +754,7 @@ def environment_meta(model: Path, harness: Harness, tree: Path | None) -> dict[s
                             "date": time.strftime("%Y-%m-%d %H:%M %Z")}
     if tree is not None and (tree / ".git").exists():
         def git(*args: str) -> str:
-            p = subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True)
-            return p.stdout.strip()
+            return run_git(tree, *args).text.strip()
         meta["tree"] = str(tree)
         meta["tree_head"] = git("rev-parse", "--short", "HEAD")
         meta["tree_dirty_files"] = len([ln for ln in git("status", "--porcelain").splitlines() if ln])
