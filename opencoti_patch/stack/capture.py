@@ -174,33 +174,58 @@ def snapshot(
     check: bool = False,
     verify: bool = True,
 ) -> SnapshotResult:
+    """Write the tree's patch commits (and edits) back into patches/: plan the entries, number the
+    new ones, render them, then (unless ``check``) stage, prove and swap in, and rewrite the commits."""
     tree.require()
     if (tree.state_dir / "rebase.json").exists():
         raise OpencotiError("a rebase is in progress: finish it (`rebase --continue`) before a snapshot")
-    new = new or NewPatch()
-    settings = tree.settings
-    series = read_series(settings.patches_dir)
+    series = read_series(tree.settings.patches_dir)
     applied_before = [c.patch for c in tree.stack() if c.patch is not None]
     dropped = [n for n in tree.read_state().get("dropped", []) if n not in applied_before]
     unapplied = [n for n in series if n not in applied_before and n not in dropped]
     if check and (tree.dirty() or tree.uncaptured_commits()):
         return SnapshotResult(series=series, stale=["uncaptured edits or commits in the tree"])
-    entries, folded = _entries(tree, new, top)
+    entries, folded = _entries(tree, new or NewPatch(), top)
     if any(e.name is None for e in entries) and unapplied and not check:
         raise OpencotiError(
             f"{len(unapplied)} patch(es) of the series are not applied ({unapplied[0]}, ...): "
             f"`{tree.settings.command('apply')}` them before adding a patch"
         )
-    result = SnapshotResult(folded_into=folded)
-    # number the new patches
+    result = SnapshotResult(folded_into=folded, created=_number_new(entries, series))
+    rendered = _render(tree, entries, result)
+    names = [e.name or "" for e, _ in rendered]
+    result.removed = sorted(set(result.removed) | {n for n in applied_before + dropped if n not in names})
+    result.series = names + [n for n in unapplied if n not in names]
+    for e, data in rendered:
+        path = tree.settings.patches_dir / (e.name or "")
+        (result.unchanged if path.is_file() and path.read_bytes() == data else result.written).append(
+            e.name or "")
+    if check:
+        result.stale = sorted(set(result.written) | set(result.removed)
+                              | ({"series"} if result.series != series else set()))
+        return result
+    final_tree = entries[-1].tree if entries else _tree_of(tree, tree.tag)
+    _stage_prove_and_swap(tree, rendered, result, final_tree, verify)
+    _rewrite_commits(tree, [e for e, _ in rendered])
+    return result
+
+
+def _number_new(entries: list[Entry], series: list[str]) -> list[str]:
+    """Give the new entries the next free NNNN-name; returns those names."""
     known = list(series) + [e.name for e in entries if e.name]
+    created = []
     for e in entries:
         if e.name is None:
             e.name = next_name(known, e.slug or e.header.subject)
             check_name(e.name)
             known.append(e.name)
-            result.created.append(e.name)
-    # render
+            created.append(e.name)
+    return created
+
+
+def _render(tree: Tree, entries: list[Entry], result: SnapshotResult) -> list[tuple[Entry, bytes]]:
+    """Each entry's patch file bytes (header + its diff against the one before); an entry whose diff
+    is empty goes to ``result.removed``."""
     rendered: list[tuple[Entry, bytes]] = []
     parent = _tree_of(tree, tree.tag)
     for e in entries:
@@ -210,26 +235,17 @@ def snapshot(
         if not diff:
             result.removed.append(e.name)
             continue
-        header = replace(e.header, filename=e.name, author=e.header.author or DEFAULT_AUTHOR)
-        e.header = header
-        rendered.append((e, render_patch(settings.templates_dirs, header, diff)))
+        e.header = replace(e.header, filename=e.name, author=e.header.author or DEFAULT_AUTHOR)
+        rendered.append((e, render_patch(tree.settings.templates_dirs, e.header, diff)))
+    return rendered
+
+
+def _stage_prove_and_swap(tree: Tree, rendered: list[tuple[Entry, bytes]], result: SnapshotResult,
+                          final_tree: str, verify: bool) -> None:
+    """Render the new patches/ into a staging copy, prove the round trip from it, then swap it in."""
+    patches_dir = tree.settings.patches_dir
     names = [e.name or "" for e, _ in rendered]
-    gone = [n for n in applied_before + dropped if n not in names]
-    result.removed = sorted(set(result.removed) | set(gone))
-    result.series = names + [n for n in unapplied if n not in names]
-    for e, data in rendered:
-        path = settings.patches_dir / (e.name or "")
-        if path.is_file() and path.read_bytes() == data:
-            result.unchanged.append(e.name or "")
-        else:
-            result.written.append(e.name or "")
-    if check:
-        result.stale = sorted(set(result.written) | set(result.removed)
-                              | ({"series"} if result.series != series else set()))
-        return result
-    # render the new patches/ into a staging folder, prove the round trip from it, then swap it in
-    final_tree = entries[-1].tree if entries else _tree_of(tree, tree.tag)
-    with staged_patches_dir(settings.patches_dir) as staging:
+    with staged_patches_dir(patches_dir) as staging:
         for e, data in rendered:
             if (e.name or "") in result.written:
                 (staging / (e.name or "")).write_bytes(data)
@@ -243,18 +259,20 @@ def snapshot(
                 raise CheckFailed(
                     f"round trip failed: re-applying the series to {tree.tag} does not give the edited "
                     f"tree ({result.roundtrip.detail or ', '.join(result.roundtrip.differs[:5])}); "
-                    f"{settings.patches_dir} was left as it was"
+                    f"{patches_dir} was left as it was"
                 )
-    # patches/ is the proven one now: rewrite the commits with the new trailers
+
+
+def _rewrite_commits(tree: Tree, entries: list[Entry]) -> None:
+    """One commit per patch above the pristine tag, carrying the trailers of the written files."""
     tree.write_state(dropped=[])
     commit = tree.rev(tree.tag) or ""
-    for e, _data in rendered:
-        patch = parse_patch(settings.patches_dir / (e.name or ""))
+    for e in entries:
+        patch = parse_patch(tree.settings.patches_dir / (e.name or ""))
         message = commit_message(e.header, e.name, patch.sha256)
         commit = tree.commit_tree(e.tree, [commit], message, e.header.author)
     tree.git("read-tree", commit)
     tree.move_head(commit)
-    return result
 
 
 @contextmanager
