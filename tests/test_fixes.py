@@ -166,3 +166,15 @@ def test_snapshot_proves_the_round_trip_before_replacing_patches(project: Projec
     project.run("snapshot", "--top")
     assert b"int d(void);" in (project.patches / "0002-second.patch").read_bytes()
     project.run("snapshot", "--check")
+
+
+def test_markers_fix_rebuild_and_verify_identical_take_the_lock(project: Project) -> None:
+    from opencoti_patch.config import Settings
+    from opencoti_patch.stack.tree import tree_lock
+
+    two_patches(project)
+    with tree_lock(Settings.resolve()):
+        for args in (["markers", "--fix", "--tree", str(project.tree)], ["rebuild", "--no-cuda"],
+                     ["verify-identical", "--no-cuda", "--skip-repro"]):
+            result = project.run(*args, code=5)
+            assert "another opencoti-patch run" in result.output, args

@@ -320,7 +320,8 @@ def _drop(root: Path, rel: str) -> None:
 
 
 def _run_git(args: list[str], cwd: Path | None = None) -> None:
-    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C"}
+    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1",
+           "GIT_CONFIG_GLOBAL": os.devnull, "LC_ALL": "C"}
     proc = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise OpencotiError(f"git {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
