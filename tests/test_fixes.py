@@ -10,6 +10,8 @@ import pytest
 from stackutil import PIN_A, PIN_B, Project
 from test_patchstack import _hunk, _write_patch, two_patches
 
+from opencoti_patch.errors import OpencotiError
+
 INDEX = "diff --git a/src/a.c b/src/a.c\nindex 1234567..89abcde 100644\n"
 
 
@@ -178,3 +180,36 @@ def test_markers_fix_rebuild_and_verify_identical_take_the_lock(project: Project
                      ["verify-identical", "--no-cuda", "--skip-repro"]):
             result = project.run(*args, code=5)
             assert "another opencoti-patch run" in result.output, args
+
+
+def test_verify_identical_applies_patch_files_with_the_stacks_applier(tmp_path: Path) -> None:
+    """--patch-file diffs go through git apply (exact), even from a work folder inside a git repo."""
+    from opencoti_patch.build import identical as ident
+
+    outer = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)  # an enclosing repository
+    tree = tmp_path / "tree"
+    (tree / "src").mkdir(parents=True)
+    (tree / "src" / "a.c").write_text("int a;\nint b;\n")
+    diff = tmp_path / "x.patch"
+    diff.write_text("diff --git a/src/a.c b/src/a.c\n--- a/src/a.c\n+++ b/src/a.c\n@@ -1,2 +1,2 @@\n"
+                    " int a;\n-int b;\n+int c;\n")
+    cfg = ident.VerifyConfig(work=outer / "verify", pristine=(tree, None), patched=(tree, None))
+    src = ident.prepare_source(cfg, "patched", tree, None, (diff,))
+    assert (src / "src" / "a.c").read_text() == "int a;\nint c;\n"
+    stale = tmp_path / "stale.patch"
+    stale.write_text(diff.read_text().replace(" int a;", " int z;"))
+    with pytest.raises(OpencotiError, match="does not apply"):
+        ident.prepare_source(cfg, "again", tree, None, (stale,))
+
+
+def test_one_harness_builder_configures_reproducibly(tmp_path: Path) -> None:
+    from opencoti_patch.build import builder as b
+    from opencoti_patch.build import harness
+
+    opts = b.BuildOptions(ccache=False)
+    args = harness.harness_args(tmp_path / "src", tmp_path / "bin", tmp_path / "h", opts)
+    assert "-G" in args and "Ninja" in args
+    assert f"-DCMAKE_CXX_FLAGS=-ffile-prefix-map={tmp_path / 'src'}=." in args
+    assert not any("LAUNCHER" in a for a in args)
+    assert (harness.SHIPPED_HARNESS / "opencoti-harness-batch.cpp").is_file()
