@@ -9,7 +9,7 @@
 #
 # Inputs (carried in the working tree): .carry/llama-src.tar.gz, a slim pinned tree (top folder
 # llama.cpp/) with the patch series already applied, or pristine plus patches/series to apply here.
-# Stages (default: tests bench budgets bench-q8 bench-14b): also rebuild-cost, test-fa-all
+# Stages (default: tests bench budgets bench-q8 bench-14b): also batched, rebuild-cost, test-fa-all
 set -u
 ROOT=$(pwd)
 W=${OPENCOTI_DEVICE_WORK:-/tmp/ocw}
@@ -55,7 +55,7 @@ build_cuda() {
     cmake -S "$SRC" -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${cuda[@]}" \
         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_UI=OFF &&
     cmake --build "$BUILD" -j "$(nproc)" --target llama-bench llama-batched-bench test-backend-ops \
-        test-sparse-attn-kv llama-server ${EXTRA_TARGETS:-}
+        test-sparse-attn-kv ${EXTRA_TARGETS:-}
 }
 
 write_models() {
@@ -95,7 +95,15 @@ start() {
         test-fa-all)
             run_stage test-fa     "$BIN/test-backend-ops" -o FLASH_ATTN_EXT -b $BACKEND ;;
         bench)
-            bench bench-f16 "$M8B" -r 2 -d 0,8192,32768,65536,131072 -sa 0,1 -sak 32 ;;
+            bench bench-f16 "$M8B" -r 2 -d 0,8192,16384,32768,65536,131072 -sa 0,1 -sak 32 ;;
+        batched)
+            # the normal decode path with a real prefill; B = 4 sequences in one unified stream (each its own selection)
+            for sa in off on; do
+                run_stage "batched-$sa" "$BIN/llama-batched-bench" -m "$M8B" -ngl $NGL -fa on -c 140000 -b 2048 -ub 512 \
+                    -npp 32768,131072 -ntg 64 -npl 1 --sparse-attn $sa
+                run_stage "batched4-$sa" "$BIN/llama-batched-bench" -m "$M8B" -ngl $NGL -fa on -c 140000 -b 2048 -ub 512 \
+                    -npp 16384,32768 -ntg 64 -npl 4 --kv-unified --sparse-attn $sa
+            done ;;
         budgets)
             bench bench-budgets "$M8B" -r 2 -d 131072 -sa 1 -sak 8,16 ;;
         bench-q8)
@@ -118,7 +126,9 @@ wait_for() {
     local limit=$1 t0=$SECONDS
     while [ $((SECONDS - t0)) -lt "$limit" ]; do
         if grep -q "ALL DONE" "$LOG/status" 2>/dev/null; then break; fi
-        sleep 10
+        # a failed prepare/build ends the run: do not wait out the limit
+        if grep -Eq "end (prepare|build) rc=[1-9]" "$LOG/status" 2>/dev/null; then break; fi
+        sleep 5
     done
     cat "$LOG/status" 2>/dev/null
     tail -n 3 "$LOG/build.log" 2>/dev/null

@@ -8,7 +8,7 @@ import click
 
 from .. import __version__
 from ..errors import OpencotiError
-from . import bench, build, loadtest, markers, quality, stack
+from . import bench, build, loadtest, markers, quality, selector, stack
 
 
 class _Failure(click.ClickException):
@@ -37,7 +37,7 @@ def cli() -> None:
 
 
 for _command in (markers.markers_command, *stack.COMMANDS, *build.COMMANDS, *quality.COMMANDS,
-                 loadtest.loadtest_command, *bench.COMMANDS):
+                 loadtest.loadtest_command, *bench.COMMANDS, *selector.COMMANDS):
     cli.add_command(_command)
 
 

@@ -27,6 +27,15 @@
 //   asks for data, so the graph is computed exactly as without it), ms_prefill, ms_decode.
 // The memory is cleared between requests (unless reuse_prefix keeps a common prefix).
 // Reported "reused": the number of prefill tokens taken from the cache.
+//
+// --variants FILE (a tree with the sparse attention patches): one JSON object per line, each a decode variant with
+//   "name" and the sparse settings to override ("sparse_attn" bool, "topk", "block_size", "recent", "sink",
+//   "dense_layers", "min_ctx"). Each variant gets its own context (the command line's settings + its overrides). A
+//   request is prefilled once, in the main context (the command line's settings: run it dense), then its sequence
+//   state is copied into each variant's context (llama_state_seq_set_data: a sparse context rebuilds its key bounds
+//   exactly from the copied keys) and the decode steps run there, one output line per variant with "variant": name.
+//   Prompt processing is dense in every variant, so the variants differ only in how they decode, as with
+//   --sparse-attn on: N variants cost one prefill instead of N.
 
 #include "arg.h"
 #include "common.h"
@@ -90,6 +99,63 @@ llama_token batch_argmax(const float * logits, int32_t n) {
 }
 
 bool g_batch_verbose = false;
+std::string g_variants_path;
+
+struct batch_variant {
+    std::string     name;
+    llama_context * ctx = nullptr;
+};
+
+// the contexts of --variants (see the file comment); false after an error message
+bool batch_load_variants(const std::string & path, llama_model * model, const common_params & params,
+                         std::vector<batch_variant> & out) {
+    std::ifstream f(path);
+    if (!f) {
+        fprintf(stderr, "error: cannot read %s\n", path.c_str());
+        return false;
+    }
+    std::string line;
+    while (std::getline(f, line)) {
+        if (line.empty()) {
+            continue;
+        }
+        nlohmann::json v;
+        try {
+            v = nlohmann::json::parse(line);
+        } catch (const std::exception & e) {
+            fprintf(stderr, "error: bad variant line in %s: %s\n", path.c_str(), e.what());
+            return false;
+        }
+        llama_context_params cp = common_context_params_to_llama(params);
+#ifdef OPENCOTI_HAVE_SPARSE_ATTN
+        cp.sparse_attn              = v.value("sparse_attn", cp.sparse_attn);
+        cp.sparse_attn_topk         = v.value("topk", cp.sparse_attn_topk);
+        cp.sparse_attn_block_size   = v.value("block_size", cp.sparse_attn_block_size);
+        cp.sparse_attn_recent       = v.value("recent", cp.sparse_attn_recent);
+        cp.sparse_attn_sink         = v.value("sink", cp.sparse_attn_sink);
+        cp.sparse_attn_dense_layers = v.value("dense_layers", cp.sparse_attn_dense_layers);
+        cp.sparse_attn_min_ctx      = v.value("min_ctx", cp.sparse_attn_min_ctx);
+#else
+        if (v.contains("sparse_attn") || v.contains("topk")) {
+            fprintf(stderr, "error: %s: sparse settings need a llama.cpp tree with the sparse attention patches\n", path.c_str());
+            return false;
+        }
+#endif
+        batch_variant bv;
+        bv.name = v.value("name", std::string("variant") + std::to_string(out.size()));
+        bv.ctx  = llama_init_from_model(model, cp);
+        if (bv.ctx == nullptr) {
+            fprintf(stderr, "error: variant %s: cannot create the context\n", bv.name.c_str());
+            return false;
+        }
+        out.push_back(bv);
+    }
+    if (out.empty()) {
+        fprintf(stderr, "error: %s holds no variant\n", path.c_str());
+        return false;
+    }
+    return true;
+}
 
 void batch_log_cb(ggml_log_level level, const char * text, void * /*user_data*/) {
     static ggml_log_level last = GGML_LOG_LEVEL_INFO;
@@ -141,12 +207,12 @@ int main(int argc, char ** argv) {
     std::vector<char *> rest = { argv[0] };
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
-        if (a == "--batch" || a == "--batch-out" || a == "--backend-dir") {
+        if (a == "--batch" || a == "--batch-out" || a == "--backend-dir" || a == "--variants") {
             if (i + 1 >= argc) {
                 fprintf(stderr, "error: %s needs a value\n", argv[i]);
                 return 2;
             }
-            (a == "--batch" ? in_path : a == "--batch-out" ? out_path : backend_dir) = argv[++i];
+            (a == "--batch" ? in_path : a == "--batch-out" ? out_path : a == "--variants" ? g_variants_path : backend_dir) = argv[++i];
             continue;
         }
         if (a == "-v" || a == "--verbose" || a == "--log-verbose") {
@@ -171,6 +237,47 @@ int main(int argc, char ** argv) {
 }
 
 namespace {
+
+struct batch_steps {
+    const std::vector<llama_token> & tokens;
+    int64_t n_prefill, n_forced, n_generate, n_steps;
+    int32_t n_vocab;
+};
+
+// the single-token decode steps of a request after its prefill (teacher-forced, then greedy), into res
+int batch_decode(llama_context * ctx, llama_batch & batch, const batch_steps & st, batch_counter & counter, FILE * dump,
+                 const std::string & id, nlohmann::json & res) {
+    const int64_t sel0 = counter.select_decode;
+    counter.decode = true;
+    std::vector<llama_token> generated;
+    std::string gen_text;
+    llama_pos pos = (llama_pos) st.n_prefill;
+    const auto t1 = std::chrono::steady_clock::now();
+    for (int64_t s = 0; s < st.n_steps; ++s) {
+        const llama_token tok = s < st.n_forced ? st.tokens[(size_t) pos] : generated.back();
+        batch.n_tokens = 0;
+        batch_push(batch, tok, pos++, true);
+        if (llama_decode(ctx, batch) != 0) {
+            fprintf(stderr, "error: request %s: llama_decode failed at decode step %lld\n", id.c_str(), (long long) s);
+            return 1;
+        }
+        const float * row = llama_get_logits_ith(ctx, -1);
+        if (dump != nullptr) {
+            fwrite(row, sizeof(float), (size_t) st.n_vocab, dump);
+        }
+        if (s + 1 >= st.n_forced && (int64_t) generated.size() < st.n_generate) {
+            generated.push_back(batch_argmax(row, st.n_vocab));
+            gen_text += common_token_to_piece(ctx, generated.back());
+        }
+    }
+    const auto t2 = std::chrono::steady_clock::now();
+    counter.decode = false;
+    res["generated"] = generated;
+    res["text"] = gen_text;
+    res["select_nodes"] = counter.select_decode - sel0;
+    res["ms_decode"] = std::chrono::duration<double, std::milli>(t2 - t1).count();
+    return 0;
+}
 
 int batch_run(common_params & params, const std::string & in_path, const std::string & out_path) {
     std::ifstream in(in_path);
@@ -203,6 +310,11 @@ int batch_run(common_params & params, const std::string & in_path, const std::st
     const int64_t n_ctx = llama_n_ctx(ctx);
     const int n_batch = std::max(1, (int) llama_n_batch(ctx));
     llama_batch batch = llama_batch_init(n_batch, 0, 1);
+
+    std::vector<batch_variant> variants;
+    if (!g_variants_path.empty() && !batch_load_variants(g_variants_path, model, params, variants)) {
+        return 1;
+    }
 
     std::vector<llama_token> cached;  // the prefill tokens of the previous request (positions 0..)
     llama_memory_t mem = llama_get_memory(ctx);
@@ -269,44 +381,16 @@ int batch_run(common_params & params, const std::string & in_path, const std::st
             }
         }
         const auto t1 = std::chrono::steady_clock::now();
-        counter.decode = true;
-        std::vector<llama_token> generated;
-        std::string gen_text;
-        llama_pos pos = (llama_pos) n_prefill;
-        for (int64_t s = 0; s < n_steps && rc == 0; ++s) {
-            const llama_token tok = s < n_forced ? tokens[(size_t) pos] : generated.back();
-            batch.n_tokens = 0;
-            batch_push(batch, tok, pos++, true);
-            if (llama_decode(ctx, batch) != 0) {
-                fprintf(stderr, "error: request %s: llama_decode failed at decode step %lld\n", id.c_str(),
-                        (long long) s);
-                rc = 1;
-                break;
-            }
-            const float * row = llama_get_logits_ith(ctx, -1);
-            if (dump != nullptr) {
-                fwrite(row, sizeof(float), (size_t) n_vocab, dump);
-            }
-            if (s + 1 >= n_forced && (int64_t) generated.size() < n_generate) {
-                generated.push_back(batch_argmax(row, n_vocab));
-                gen_text += common_token_to_piece(ctx, generated.back());
-            }
-        }
-        const auto t2 = std::chrono::steady_clock::now();
-        if (dump != nullptr && fclose(dump) != 0) {
-            fprintf(stderr, "error: cannot write %s\n", dump_path.c_str());
-            rc = 1;
-        }
         if (rc != 0) {
+            if (dump != nullptr) {
+                fclose(dump);
+            }
             break;
         }
         res["n_prefill"] = n_prefill;
         res["reused"] = keep;
         res["n_forced"] = n_forced;
         res["decode_steps"] = n_steps;
-        res["generated"] = generated;
-        res["text"] = gen_text;
-        res["select_nodes"] = counter.select_decode;
         res["select_nodes_prefill"] = counter.select_prefill;
         res["fill_nodes"] = counter.fill;
         if (req.value("return_targets", false)) {
@@ -320,9 +404,58 @@ int batch_run(common_params & params, const std::string & in_path, const std::st
         res["n_vocab"] = n_vocab;
         res["n_ctx"] = n_ctx;
         res["ms_prefill"] = std::chrono::duration<double, std::milli>(t1 - t0).count();
-        res["ms_decode"] = std::chrono::duration<double, std::milli>(t2 - t1).count();
-        fprintf(out, "%s\n", res.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
-        fflush(out);
+
+        const batch_steps steps = { tokens, n_prefill, n_forced, n_generate, n_steps, n_vocab };
+        if (variants.empty()) {
+            rc = batch_decode(ctx, batch, steps, counter, dump, id, res);
+            if (dump != nullptr && fclose(dump) != 0) {
+                fprintf(stderr, "error: cannot write %s\n", dump_path.c_str());
+                rc = 1;
+            }
+            if (rc == 0) {
+                fprintf(out, "%s\n", res.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+                fflush(out);
+            }
+            continue;
+        }
+        if (dump != nullptr) {
+            fclose(dump); // per-variant dumps: "dump" + "." + variant name
+        }
+        // the prefilled sequence, copied into each variant's context
+        std::vector<uint8_t> state(llama_state_seq_get_size(ctx, 0));
+        if (llama_state_seq_get_data(ctx, state.data(), state.size(), 0) != state.size()) {
+            fprintf(stderr, "error: request %s: cannot read the sequence state\n", id.c_str());
+            rc = 1;
+            break;
+        }
+        for (const batch_variant & v : variants) {
+            llama_memory_clear(llama_get_memory(v.ctx), true);
+            if (llama_state_seq_set_data(v.ctx, state.data(), state.size(), 0) != state.size()) {
+                fprintf(stderr, "error: request %s: variant %s: cannot load the sequence state\n", id.c_str(), v.name.c_str());
+                rc = 1;
+                break;
+            }
+            FILE * vdump = nullptr;
+            if (!dump_path.empty() && (vdump = fopen((dump_path + "." + v.name).c_str(), "wb")) == nullptr) {
+                fprintf(stderr, "error: cannot write %s.%s\n", dump_path.c_str(), v.name.c_str());
+                rc = 1;
+                break;
+            }
+            nlohmann::json vres = res;
+            vres["variant"] = v.name;
+            rc = batch_decode(v.ctx, batch, steps, counter, vdump, id, vres);
+            if (vdump != nullptr && fclose(vdump) != 0) {
+                rc = 1;
+            }
+            if (rc != 0) {
+                break;
+            }
+            fprintf(out, "%s\n", vres.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+            fflush(out);
+        }
+    }
+    for (const batch_variant & v : variants) {
+        llama_free(v.ctx);
     }
     llama_batch_free(batch);
     if (out != stdout) {
