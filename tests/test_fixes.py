@@ -213,3 +213,20 @@ def test_one_harness_builder_configures_reproducibly(tmp_path: Path) -> None:
     assert f"-DCMAKE_CXX_FLAGS=-ffile-prefix-map={tmp_path / 'src'}=." in args
     assert not any("LAUNCHER" in a for a in args)
     assert (harness.SHIPPED_HARNESS / "opencoti-harness-batch.cpp").is_file()
+
+
+def test_eval_path_defaults_come_from_settings(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from opencoti_patch.cli import cli
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    work, tree = tmp_path / "w", tmp_path / "t"
+    (tree / "docs").mkdir(parents=True)
+    res = CliRunner().invoke(cli, ["eval", "fidelity", "--model", str(model), "--work-dir", str(work),
+                                   "--tree", str(tree)])
+    assert res.exit_code == 1 and f"no llama.cpp build at {work / 'build' / 'cpu' / 'build'}" in res.output
+    (tree / "docs").rmdir()
+    res = CliRunner().invoke(cli, ["eval", "fidelity", "--model", str(model), "--tree", str(tree)])
+    assert res.exit_code == 1 and f"no docs folder {tree / 'docs'}" in res.output
