@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import write_report
+from ..config import Settings, write_report
 from ..errors import CheckFailed, OpencotiError
 from ..progress import progress as _progress
 from ..stack.tree import run_git
@@ -727,8 +727,8 @@ def data_for_template(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def default_template_dirs() -> list[Path]:
-    root = Path(__file__).resolve().parent.parent
-    return [Path.cwd() / "templates", root / "templates"]
+    """The project's template override, then the shipped templates (``Settings.templates_dirs``)."""
+    return Settings.resolve().templates_dirs
 
 
 def build_meta(build_dir: Path) -> dict[str, Any]:
