@@ -10,7 +10,7 @@ import click
 
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError, UsageProblem
-from ..markers.audit import AuditReport, audit, diff_patch, format_report
+from ..markers.audit import audit, diff_patch, format_report
 from ..markers.fix import fix_tree
 from ..report import info
 from ..stack.series import Patch, load_series, read_series
@@ -38,11 +38,6 @@ def _load(settings: Settings, diff_file: Path | None, feature: str | None) -> li
         return load_series(settings.patches_dir)
     except OSError as exc:
         raise OpencotiError(str(exc)) from exc
-
-
-def _fail(report: AuditReport) -> None:
-    if not report.ok:
-        raise CheckFailed(f"markers: {len(report.errors)} error(s) (listed above)")
 
 
 @click.command("markers")
@@ -90,4 +85,5 @@ def markers_command(settings: Settings, as_json: bool, fix: bool, diff_file: Pat
              "alone (pass --tree for the exact check)")
     report = audit(patches, tree)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
-    _fail(report)
+    if not report.ok:
+        raise CheckFailed(f"markers: {len(report.errors)} error(s) (listed above)")
