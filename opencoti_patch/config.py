@@ -126,6 +126,11 @@ class Settings:
         return self.patches_dir / UPSTREAM_FILE
 
     @property
+    def results_dir(self) -> Path:
+        """Where reports go by default: ``<root>/docs/results``."""
+        return self.root / "docs" / "results"
+
+    @property
     def rescue_dir(self) -> Path:
         return self.work_dir / "rescue"
 

@@ -43,11 +43,13 @@ def pack_command(settings: Settings, out: Path) -> None:
 
 @bench_group.command("report")
 @click.argument("results", type=click.Path(path_type=Path, exists=True))
-@click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False), default=Path("docs/results"),
-              show_default=True)
+@click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="Report folder [default: <root>/docs/results].")
 @click.option("--name", default="h200-decode", show_default=True, help="Base name of the files written.")
-def report_command(results: Path, out_dir: Path, name: str) -> None:
+@common_options
+def report_command(settings: Settings, results: Path, out_dir: Path | None, name: str) -> None:
     """Turn llama-bench JSON (a results.tgz from ci/device/h200.sh, or a folder) into a report."""
+    out_dir = out_dir or settings.results_dir
     rows = bench.load_results(results)
     if not rows:
         raise OpencotiError(f"no llama-bench results in {results}")

@@ -57,7 +57,7 @@ def _shared(f: Any) -> Any:
                      show_default=True,
                      help="exclusive: top-k = budget/block, sink+recent on top; inclusive: subtracted."),
         click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
-                     default=Path("docs/results"), show_default=True),
+                     help="Report folder [default: <root>/docs/results]."),
         click.option("--name", default="quality-gemma3-270m", show_default=True,
                      help="Report base name (<out-dir>/<name>.md and .json; gates run separately merge)."),
         click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path),
@@ -108,6 +108,7 @@ def _paths(o: dict[str, Any]) -> dict[str, Any]:
     settings: Settings = o.pop("settings")
     o["build_dir"] = o["build_dir"] or settings.work_dir / "build" / "cpu" / "build"
     o["llama_src"] = o["llama_src"] or settings.tree
+    o["out_dir"] = o["out_dir"] or settings.results_dir
     if "docs_dir" in o:
         o["docs_dir"] = o["docs_dir"] or settings.tree / "docs"
         if not o["docs_dir"].is_dir():
@@ -219,11 +220,13 @@ def all_cmd(**o: Any) -> None:
 
 
 @eval_group.command("report")
-@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("docs/results"),
-              show_default=True)
+@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Report folder [default: <root>/docs/results].")
 @click.option("--name", default="quality-gemma3-270m", show_default=True)
-def report_cmd(out_dir: Path, name: str) -> None:
+@common_options
+def report_cmd(settings: Settings, out_dir: Path | None, name: str) -> None:
     """Render <out-dir>/<name>.md again from its .json (after a template change)."""
+    out_dir = out_dir or settings.results_dir
     json_path = out_dir / f"{name}.json"
     if not json_path.is_file():
         raise OpencotiError(f"no {json_path}")
