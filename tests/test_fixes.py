@@ -230,3 +230,16 @@ def test_eval_path_defaults_come_from_settings(tmp_path: Path) -> None:
     (tree / "docs").rmdir()
     res = CliRunner().invoke(cli, ["eval", "fidelity", "--model", str(model), "--tree", str(tree)])
     assert res.exit_code == 1 and f"no docs folder {tree / 'docs'}" in res.output
+
+
+def test_eval_gate_results_merge_below_the_cli(tmp_path: Path) -> None:
+    """The merging of gates run separately lives in quality/evaluate (the CLI only calls it)."""
+    import json as _json
+
+    from opencoti_patch.quality import evaluate as ev
+
+    ev.save_gate_results(tmp_path, "q", {"other": 1}, {"cli": ["a"], "harness_commands": ["x"]})
+    md, js = ev.save_gate_results(tmp_path, "q", {}, {"cli": ["b"], "harness_commands": ["y"]})
+    meta = _json.loads(js.read_text())["meta"]
+    assert meta["cli"] == ["a", "b"] and meta["harness_commands"] == ["x", "y"]
+    assert md.is_file() and _json.loads(js.read_text())["other"] == 1

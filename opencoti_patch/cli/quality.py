@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from ..build.harness import BATCH_EXE, build_harness
-from ..config import Settings, write_report
+from ..config import Settings
 from ..errors import CheckFailed, OpencotiError
 from ..quality import evaluate as ev
 from ..report import info
@@ -156,16 +156,7 @@ def _run(gates: list[str], o: dict[str, Any]) -> None:
     meta["jobs"] = o["jobs"]
     meta |= ev.build_meta(o["build_dir"])
     meta["seconds"] = time.monotonic() - t0
-    out_dir: Path = o["out_dir"]
-    json_path = out_dir / f"{o['name']}.json"
-    old = ev.merge_results(json_path, {}) if json_path.is_file() else {}
-    if "meta" in old:  # keep the commands of the gates run before
-        meta["cli"] = sorted(set(old["meta"].get("cli", [])) | set(meta["cli"]))
-        before = old["meta"].get("harness_commands", [])
-        meta["harness_commands"] = list(dict.fromkeys(before + meta["harness_commands"]))
-    data = ev.merge_results(json_path, {**update, "meta": meta})
-    md_path = out_dir / f"{o['name']}.md"
-    write_report(md_path, ev.render_report(ev.default_template_dirs(), data))
+    md_path, json_path = ev.save_gate_results(o["out_dir"], o["name"], update, meta)
     info(f"wrote {md_path} and {json_path}")
     _print_summary(update)
     if "fidelity" in update:
@@ -230,9 +221,7 @@ def report_cmd(settings: Settings, out_dir: Path | None, name: str) -> None:
     json_path = out_dir / f"{name}.json"
     if not json_path.is_file():
         raise OpencotiError(f"no {json_path}")
-    data = ev.merge_results(json_path, {})
-    md_path = out_dir / f"{name}.md"
-    write_report(md_path, ev.render_report(ev.default_template_dirs(), data))
+    md_path, _ = ev.save_gate_results(out_dir, name, {}, None)
     info(f"wrote {md_path}")
 
 

@@ -716,6 +716,26 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def save_gate_results(out_dir: Path, name: str, update: dict[str, Any],
+                      meta: dict[str, Any] | None) -> tuple[Path, Path]:
+    """Merge the gates of ``update`` (and ``meta``) into ``<out-dir>/<name>.json``, render its .md.
+
+    Gates run separately merge: the commands of the gates run before are kept in ``meta``.
+    ``meta`` None: only re-render (after a template change). Returns (md, json) paths.
+    """
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    if meta is not None:
+        old = merge_results(json_path, {}) if json_path.is_file() else {}
+        if "meta" in old:  # keep the commands of the gates run before
+            meta["cli"] = sorted(set(old["meta"].get("cli", [])) | set(meta.get("cli", [])))
+            before = old["meta"].get("harness_commands", [])
+            meta["harness_commands"] = list(dict.fromkeys(before + meta.get("harness_commands", [])))
+        update = {**update, "meta": meta}
+    data = merge_results(json_path, update)
+    write_report(md_path, render_report(default_template_dirs(), data))
+    return md_path, json_path
+
+
 def render_report(template_dirs: Iterable[Path], data: dict[str, Any]) -> str:
     from ..report import render  # noqa: PLC0415 (click-free callers of the math need not import jinja2)
 
