@@ -160,3 +160,20 @@ def test_reports_are_written_with_portable_paths(tmp_path: Path) -> None:
     out = tmp_path / "r.md"
     write_report(out, f"{root}/a", root)
     assert out.read_text() == "a"
+
+
+def test_loadtest_runs_where_click_and_jinja2_are_missing() -> None:
+    """`python3 -m opencoti_patch.quality.loadtest` on a GPU host with only the standard library."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('click', 'jinja2', 'git', 'numpy', 'requests'):\n"
+            "            raise ImportError(name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import runpy\nsys.argv = ['loadtest', '--help']\n"
+            "runpy.run_module('opencoti_patch.quality.loadtest', run_name='__main__')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and "--corpus" in res.stdout, res.stderr
