@@ -1,5 +1,9 @@
 """Where a marker line may not go: per-language lexers (C/C++/CUDA, Python, CMake, shell, YAML)
-finding the lines inside strings, raw strings and line continuations."""
+finding the lines inside strings, raw strings, comments and line continuations.
+
+Each lexer only knows how its spans open; ``skip_open`` (the one scanner core) walks every span to
+its closer.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +33,21 @@ def unsafe_insert_points(path: str, lines: Sequence[str]) -> dict[int, str]:
 _RAW_PREFIX_RE = re.compile(r"(?<![A-Za-z0-9_])(?:u8|u|U|L)?R$")
 
 
+def skip_open(body: str, j: int, closer: str, escapes: bool = True) -> tuple[int, bool]:
+    """The scanner core of every lexer: from ``j`` inside a span (string, comment, raw string,
+    bracket argument) that ``closer`` ends, return (index after the closer, True), or
+    (end of line, False) when the line ends first. ``escapes``: a backslash skips the next char."""
+    n = len(body)
+    while j < n:
+        if escapes and body[j] == "\\":
+            j += 2
+        elif body.startswith(closer, j):
+            return j + len(closer), True
+        else:
+            j += 1
+    return n, False
+
+
 def _c_unsafe(lines: Sequence[str]) -> dict[int, str]:
     unsafe: dict[int, str] = {}
     comment = False
@@ -42,28 +61,18 @@ def _c_unsafe(lines: Sequence[str]) -> dict[int, str]:
         j, n = 0, len(body)
         while j < n:
             if comment:
-                k = body.find("*/", j)
-                if k < 0:
-                    j = n
-                else:
-                    comment, j = False, k + 2
+                j, closed = skip_open(body, j, "*/", escapes=False)
+                comment = not closed
                 continue
             if raw is not None:
-                k = body.find(raw, j)
-                if k < 0:
-                    j = n
-                else:
-                    j, raw = k + len(raw), None
+                j, closed = skip_open(body, j, raw, escapes=False)
+                raw = None if closed else raw
+                continue
+            if quote is not None:
+                j, closed = skip_open(body, j, quote)
+                quote = None if closed else quote
                 continue
             c = body[j]
-            if quote is not None:
-                if c == "\\":
-                    j += 2
-                    continue
-                if c == quote:
-                    quote = None
-                j += 1
-                continue
             if body.startswith("//", j):
                 break
             if body.startswith("/*", j):
@@ -112,24 +121,15 @@ def _py_unsafe(lines: Sequence[str]) -> dict[int, str]:
         quote: str | None = None
         in_comment = False
         while j < n:
-            c = body[j]
             if triple is not None:
-                if c == "\\":
-                    j += 2
-                    continue
-                if body.startswith(triple, j):
-                    j, triple = j + 3, None
-                else:
-                    j += 1
+                j, closed = skip_open(body, j, triple)
+                triple = None if closed else triple
                 continue
             if quote is not None:
-                if c == "\\":
-                    j += 2
-                    continue
-                if c == quote:
-                    quote = None
-                j += 1
+                j, closed = skip_open(body, j, quote)
+                quote = None if closed else quote
                 continue
+            c = body[j]
             if c == "#":
                 in_comment = True
                 break
@@ -157,22 +157,11 @@ def _cmake_unsafe(lines: Sequence[str]) -> dict[int, str]:
         body = line.rstrip("\r")
         j, n = 0, len(body)
         while j < n:
+            if state is not None:  # a quoted argument ('"', escapes) or a bracket one ("]==]")
+                j, closed = skip_open(body, j, state, escapes=state == '"')
+                state = None if closed else state
+                continue
             c = body[j]
-            if state == '"':
-                if c == "\\":
-                    j += 2
-                    continue
-                if c == '"':
-                    state = None
-                j += 1
-                continue
-            if state is not None:
-                k = body.find(state, j)
-                if k < 0:
-                    j = n
-                else:
-                    j, state = k + len(state), None
-                continue
             m = re.match(r"\[(=*)\[", body[j + 1:]) if c == "#" else None
             if c == "#" and m:
                 state, is_comment, j = "]" + m.group(1) + "]", True, j + 1 + m.end()
@@ -210,15 +199,11 @@ def _sh_unsafe(lines: Sequence[str]) -> dict[int, str]:
             continue
         j, n = 0, len(body)
         while j < n:
-            c = body[j]
             if quote is not None:
-                if c == "\\" and quote == '"':
-                    j += 2
-                    continue
-                if c == quote:
-                    quote = None
-                j += 1
+                j, closed = skip_open(body, j, quote, escapes=quote == '"')
+                quote = None if closed else quote
                 continue
+            c = body[j]
             if c == "\\":
                 j += 2
                 continue
