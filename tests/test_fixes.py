@@ -243,3 +243,12 @@ def test_eval_gate_results_merge_below_the_cli(tmp_path: Path) -> None:
     meta = _json.loads(js.read_text())["meta"]
     assert meta["cli"] == ["a", "b"] and meta["harness_commands"] == ["x", "y"]
     assert md.is_file() and _json.loads(js.read_text())["other"] == 1
+
+
+def test_the_lexers_scanner_core() -> None:
+    from opencoti_patch.markers.lexers import skip_open
+
+    assert skip_open('a\\"b" x', 0, '"') == (5, True)  # an escaped quote does not close
+    assert skip_open('a\\"b', 0, '"', escapes=False) == (3, True)  # raw: the backslash is text
+    assert skip_open("x ]==] y", 0, "]==]") == (6, True)
+    assert skip_open("no end", 0, "*/") == (6, False)
