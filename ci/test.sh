@@ -2,6 +2,7 @@
 # The test command of the README: lint, fast unit tests, then the real-tree and build tests.
 #   ci/test.sh            everything (what CI runs)
 #   ci/test.sh --fast     lint + unit tests only (seconds)
+#   ci/test.sh [--fast] PYTEST-ARGS...   the same, on a selection (e.g. tests/test_house.py -k ccache)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,7 +15,8 @@ fi
 "$VENV/bin/ruff" check opencoti_patch tests
 
 if [ "${1:-}" = "--fast" ]; then
-    exec "$VENV/bin/pytest" -q -m "not realtree and not build"
+    shift
+    exec "$VENV/bin/pytest" -q -m "not realtree and not build" "$@"
 fi
 # Build tests need a pristine llama.cpp source: the pinned sdist (downloaded once, sha256-checked,
 # extracted safely) unless OPENCOTI_PRISTINE already names one.
@@ -26,4 +28,4 @@ if [ -z "${OPENCOTI_PRISTINE:-}" ]; then
     fi
     export OPENCOTI_PRISTINE=$PRISTINE
 fi
-exec "$VENV/bin/pytest" -q -ra --durations=15
+exec "$VENV/bin/pytest" -q -ra --durations=15 "$@"

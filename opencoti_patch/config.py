@@ -14,6 +14,8 @@ Resolution order for each path: explicit option > environment variable > default
 from __future__ import annotations
 
 import os
+import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,8 @@ FIXED_DATE = "2001-09-09T01:46:40+00:00"
 COMMITTER = ("opencoti-patch", "opencoti-patch@invalid")
 UPSTREAM_AUTHOR = ("llama.cpp upstream", "upstream@invalid")
 DEFAULT_AUTHOR = "opencoti <patches@opencoti.invalid>"
+SHIPPED_TEMPLATES = Path(__file__).resolve().parent / "templates"
+SHIPPED_HARNESS = Path(__file__).resolve().parent / "harness"
 
 
 def _env_path(name: str) -> Path | None:
@@ -43,6 +47,23 @@ def find_root(start: Path | None = None) -> Path:
         if (candidate / "patches").is_dir():
             return candidate
     return here
+
+
+def portable(text: str, root: Path | None = None) -> str:
+    """``text`` (a report, a manifest) without this machine's paths: paths under the project root
+    become relative to it, paths under the home folder start with ``~``."""
+    for prefix, short in ((root or find_root(), "."), (Path.home(), "~")):
+        base = str(prefix).rstrip("/")
+        if not base:
+            continue
+        pattern = re.compile(r"(?<![\w./-])" + re.escape(base) + r"(?=/|(?![\w.-]))(/)?")
+        text = pattern.sub(lambda m, s=short: "" if m.group(1) and s == "." else s + (m.group(1) or ""), text)
+    return text
+
+
+def write_report(path: Path, text: str, root: Path | None = None) -> None:
+    """Write a report or manifest with ``portable`` paths."""
+    path.write_text(portable(text, root), encoding="utf-8")
 
 
 def default_cache_dir() -> Path:
@@ -61,6 +82,8 @@ class Settings:
     tree: Path
     cache_dir: Path
     lock_wait: float = 0.0
+    # the path options as given (``--tree X`` ...): printed recovery commands repeat them
+    path_args: tuple[str, ...] = ()
 
     @classmethod
     def resolve(
@@ -77,6 +100,8 @@ class Settings:
         work = (work_dir or _env_path("OPENCOTI_WORK") or root / "work").resolve()
         tree_path = (tree or _env_path("OPENCOTI_TREE") or work / "llama.cpp").resolve()
         wait = lock_wait if lock_wait is not None else float(os.environ.get("OPENCOTI_LOCK_WAIT", "0"))
+        given = (("--tree", tree), ("--work-dir", work_dir), ("--patches-dir", patches_dir))
+        path_args = tuple(a for opt, value in given if value is not None for a in (opt, str(value)))
         return cls(
             root=root,
             patches_dir=patches,
@@ -84,7 +109,13 @@ class Settings:
             tree=tree_path,
             cache_dir=(cache_dir or default_cache_dir()).resolve(),
             lock_wait=wait,
+            path_args=path_args,
         )
+
+    def command(self, args: str) -> str:
+        """``opencoti-patch <args>`` plus the path options this run was given (for messages)."""
+        extra = " ".join(shlex.quote(a) for a in self.path_args)
+        return f"opencoti-patch {args}" + (f" {extra}" if extra else "")
 
     @property
     def series_file(self) -> Path:
@@ -93,6 +124,11 @@ class Settings:
     @property
     def upstream_file(self) -> Path:
         return self.patches_dir / UPSTREAM_FILE
+
+    @property
+    def results_dir(self) -> Path:
+        """Where reports go by default: ``<root>/docs/results``."""
+        return self.root / "docs" / "results"
 
     @property
     def rescue_dir(self) -> Path:
@@ -104,6 +140,5 @@ class Settings:
 
     @property
     def templates_dirs(self) -> list[Path]:
-        """Project templates first, then the ones shipped next to the package source."""
-        shipped = Path(__file__).resolve().parent.parent / "templates"
-        return [self.root / "templates", shipped]
+        """Project templates (an override) first, then the ones shipped inside the package."""
+        return [self.root / "templates", SHIPPED_TEMPLATES]

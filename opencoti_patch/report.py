@@ -1,18 +1,20 @@
-"""Text rendering from the jinja2 templates in ``templates/`` (patch headers, reports).
+"""Text rendering from the jinja2 templates (patch headers, reports) and progress notes.
 
-Templates are looked up in the project's ``templates/`` first, then in the one shipped beside the
-package. Rendering is strict (an undefined variable is an error) and byte-stable.
+Templates are looked up in the project's ``templates/`` first (an override), then in the ones
+shipped inside the package (``opencoti_patch/templates``). Rendering is strict (an undefined
+variable is an error) and byte-stable.
 """
 
 from __future__ import annotations
 
-import json
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import click
 import jinja2
+
+from .errors import OpencotiError
 
 
 def environment(dirs: Iterable[Path]) -> jinja2.Environment:
@@ -27,20 +29,13 @@ def environment(dirs: Iterable[Path]) -> jinja2.Environment:
 
 
 def render(dirs: Iterable[Path], name: str, **context: Any) -> str:
+    dirs = list(dirs)
     try:
         return environment(dirs).get_template(name).render(**context)
     except jinja2.TemplateNotFound as exc:
-        raise click.ClickException(f"template {name} not found in {', '.join(map(str, dirs))}") from exc
-
-
-def emit(data: Any, as_json: bool, text: str | None = None) -> None:
-    """Print ``data`` as JSON (``--json``) or ``text`` for humans."""
-    if as_json:
-        click.echo(json.dumps(data, indent=2, sort_keys=True))
-    elif text:
-        click.echo(text.rstrip("\n"))
+        raise OpencotiError(f"template {name} not found in {', '.join(map(str, dirs))}") from exc
 
 
 def info(message: str) -> None:
     """Progress and notes go to stderr so stdout stays parseable."""
-    click.echo(message, err=True)
+    print(message, file=sys.stderr, flush=True)

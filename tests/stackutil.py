@@ -13,6 +13,7 @@ from click.testing import CliRunner, Result
 
 from opencoti_patch.cli import cli
 
+PIN_A, PIN_B = "aaa1111", "bbb2222"
 A_LINES = [f"int line_{i:02d} = {i};" for i in range(1, 41)]
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch import bench
-from opencoti_patch.synth_gguf import LlamaShape, import_gguf, write_llama_gguf
+from opencoti_patch.build.synth_gguf import LlamaShape, import_gguf, write_llama_gguf
+from opencoti_patch.quality import bench
 
 
 def test_pack_slim_drops_unneeded_folders(tmp_path: Path) -> None:
@@ -95,3 +95,10 @@ def test_bench_report_cli(tmp_path: Path) -> None:
     empty.mkdir()
     res = CliRunner().invoke(cli, ["bench", "report", str(empty), "--out-dir", str(out)])
     assert res.exit_code != 0 and "no llama-bench results" in res.output
+    # without --out-dir: the project's docs/results, wherever it is run from
+    root = tmp_path / "proj"
+    (root / "patches").mkdir(parents=True)
+    runner = CliRunner(env={"OPENCOTI_ROOT": str(root)})
+    res = runner.invoke(cli, ["bench", "report", str(logs), "--name", "y"])
+    assert res.exit_code == 0, res.output
+    assert (root / "docs" / "results" / "y.json").is_file()

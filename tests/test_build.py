@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch import build as b
-from opencoti_patch import identical as ident
-from opencoti_patch.ci import render_workflow, write_workflow
+from opencoti_patch.build import builder as b
+from opencoti_patch.build import identical as ident
+from opencoti_patch.build.workflow import render_workflow, write_workflow
 from opencoti_patch.errors import CheckFailed, OpencotiError
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES = [ROOT / "templates"]
+TEMPLATES = [ROOT / "opencoti_patch" / "templates"]
 
 
 # ------------------------------------------------------------------ fingerprint
@@ -131,7 +131,7 @@ def test_export_rev_and_changed_files(repo: Path, tmp_path: Path) -> None:
 
 def test_cmake_args_reproducible_defaults(tmp_path: Path) -> None:
     src, build = tmp_path / "s", tmp_path / "b"
-    opts = b.BuildOptions(build_commit="pin+fp", cpu_variant="haswell")
+    opts = b.BuildOptions(build_commit="pin+fp", cpu_variant="haswell", ccache=True)
     args = b.cmake_args(src, build, opts, build / ".opencoti")
     joined = "\n".join(args)
     for want in ("-DGGML_BACKEND_DL=ON", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF",

@@ -5,7 +5,7 @@ one pristine build is shared by every test (session fixture; set OPENCOTI_BUILD_
 across sessions), the patched trees differ from it in one file, and ccache is on.
 
 The pristine source: $OPENCOTI_PRISTINE (a folder), else tag `upstream` of $OPENCOTI_TREE
-(default /work/tree/llama.cpp), else the unpacked sdist in /work/cache.
+(default: the project's work/llama.cpp), else the pristine tree ci/test.sh fetches.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch import build as b
-from opencoti_patch import identical as ident
-from opencoti_patch.series import read_series
+from opencoti_patch.build import builder as b
+from opencoti_patch.build import identical as ident
+from opencoti_patch.config import Settings
+from opencoti_patch.stack.series import read_series
 
 pytestmark = pytest.mark.build
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES = [ROOT / "templates"]
+TEMPLATES = [ROOT / "opencoti_patch" / "templates"]
 TARGETS = ("ggml-base", "ggml", "ggml-cpu", "llama")
 
 
@@ -33,14 +34,14 @@ def _pristine_source() -> tuple[Path, str | None] | None:
     env = os.environ.get("OPENCOTI_PRISTINE")
     if env:
         return Path(env), None
-    tree = Path(os.environ.get("OPENCOTI_TREE", "/work/tree/llama.cpp"))
+    tree = Settings.resolve().tree  # OPENCOTI_TREE, else the project's work/llama.cpp
     if (tree / ".git").exists():
-        tags = subprocess.run(["git", "-C", str(tree), "tag", "--list", "upstream"], capture_output=True,
-                              text=True).stdout.split()
-        if "upstream" in tags:
-            return tree, "upstream"
-    sdist = Path("/work/cache/llama_cpp_python-0.3.36/vendor/llama.cpp")
-    return (sdist, None) if (sdist / "CMakeLists.txt").is_file() else None
+        tags = subprocess.run(["git", "-C", str(tree), "tag", "--list", "upstream", "upstream/*"],
+                              capture_output=True, text=True).stdout.split()
+        if tags:
+            return tree, tags[0]
+    pristine = ROOT / "work" / "ci" / "pristine"  # what ci/test.sh fetches
+    return (pristine, None) if (pristine / "CMakeLists.txt").is_file() else None
 
 
 SOURCE = _pristine_source()

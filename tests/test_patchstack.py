@@ -13,36 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from stackutil import Project, make_sdist, upstream_toml, write_upstream
+from stackutil import PIN_A, PIN_B, Project, write_upstream
 
-from opencoti_patch import apply as apply_mod
 from opencoti_patch.cli import cli
-from opencoti_patch.commands import COMMANDS
+from opencoti_patch.cli.stack import COMMANDS
 from opencoti_patch.config import Settings
 from opencoti_patch.safe_extract import UnsafeArchive, extract_tar
-from opencoti_patch.tree import tree_lock
-
-PIN_A, PIN_B = "aaa1111", "bbb2222"
-
-
-@pytest.fixture
-def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Project:
-    from click.testing import CliRunner
-
-    up_a = write_upstream(tmp_path / "src-a")
-    up_b = write_upstream(tmp_path / "src-b", drift=True)
-    sha_a = make_sdist(up_a, tmp_path / "a.tar.gz")
-    sha_b = make_sdist(up_b, tmp_path / "b.tar.gz", top="pkg-2.0")
-    root = tmp_path / "proj"
-    (root / "patches").mkdir(parents=True)
-    (root / "patches" / "upstream.toml").write_text(
-        upstream_toml({PIN_A: (tmp_path / "a.tar.gz", sha_a), PIN_B: (tmp_path / "b.tar.gz", sha_b)}, PIN_A)
-    )
-    for var in ("OPENCOTI_TREE", "OPENCOTI_WORK", "OPENCOTI_PATCHES", "OPENCOTI_SDIST", "OPENCOTI_LOCK_WAIT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("OPENCOTI_ROOT", str(root))
-    monkeypatch.setenv("OPENCOTI_CACHE", str(tmp_path / "cache"))
-    return Project(root, CliRunner(), tmp_path / "a.tar.gz", sha_a, tmp_path / "b.tar.gz", sha_b)
+from opencoti_patch.stack import apply as apply_mod
+from opencoti_patch.stack.tree import tree_lock
 
 
 def two_patches(p: Project) -> None:
@@ -142,9 +120,17 @@ def test_download_progress_cache_and_mismatch(project: Project, tmp_path: Path) 
         _Server.hits.clear()
         project.run("fetch", "--download-only")
         cached = list((tmp_path / "cache").iterdir())
-        assert [c.name for c in cached] == [f"{project.sha_a[:16]}-a.tar.gz"]
+        assert [c.name for c in cached] == [f"{project.sha_a}-a.tar.gz"]
         project.run("fetch")  # from the cache: no second download
         assert len(_Server.hits) == 1
+        # another archive whose sha256 shares the first 16 digits: its failed fetch keeps A's cache
+        twin = project.sha_a[:16] + ("0" if project.sha_a[16] != "0" else "1") + project.sha_a[17:]
+        twin_toml = toml.read_text()
+        toml.write_text(twin_toml.replace(project.sha_a, twin))
+        result = project.run("fetch", "--tree", str(tmp_path / "t-twin"), code=1)
+        assert "sha256 mismatch" in result.output
+        assert [c.name for c in (tmp_path / "cache").iterdir()] == [f"{project.sha_a}-a.tar.gz"]
+        toml.write_text(twin_toml)
         # a wrong sha256: error, no file kept in the cache, nothing extracted
         cached[0].unlink()
         toml.write_text(toml.read_text().replace(project.sha_a, "2" * 64))
@@ -556,7 +542,7 @@ def test_errors_are_one_line(project: Project) -> None:
 
 
 def test_snapshot_mark_adds_markers(project: Project) -> None:
-    pytest.importorskip("opencoti_patch.markers")
+    pytest.importorskip("opencoti_patch.markers.audit")
     project.prepared()
     project.edit("src/a.c", "int line_10 = 10;", "int line_10 = 1000;")
     out = project.run("snapshot", "--new", "gated", "--feature", "sparse-attn (--sparse-attn, default off)",

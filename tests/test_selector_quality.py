@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from opencoti_patch import needle, prose, recall
 from opencoti_patch.errors import OpencotiError
+from opencoti_patch.quality import needle, prose, recall
 
 LONG = ("This paragraph is long enough to count as prose for the corpus, because it has well over "
         "twenty-five words in it and it ends with a full stop like a real sentence does in running text.")

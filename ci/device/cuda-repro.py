@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from opencoti_patch import build as b  # noqa: E402
+from opencoti_patch.build import builder as b  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +43,8 @@ def main() -> int:
                           optional_targets=(), cuda=True, cuda_arch="90", ccache=False)
     for label in sys.argv[2:]:
         manifest, out = b.rebuild(tree, work, opts, label=label, rev=None, pin="0c1e57098", patches_dir=None,
-                                  template_dirs=[ROOT / "templates"], fresh=True, progress=True)
+                                  template_dirs=[ROOT / "opencoti_patch" / "templates"], fresh=True,
+                                  progress=True)
         print(label, out, [(a["name"], a["sha256"][:16]) for a in manifest["artifacts"]])
     return 0
 

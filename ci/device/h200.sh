@@ -18,7 +18,7 @@ SRC=$W/llama.cpp
 BUILD=$W/build
 BIN=$BUILD/bin
 CUDA=${OPENCOTI_DEVICE_CUDA:-1}          # 0: CPU-only dry run of this script on a developer machine
-SHAPES=${OPENCOTI_SHAPES:-8b 14b}        # random-weight models to write (opencoti_patch.synth_gguf)
+SHAPES=${OPENCOTI_SHAPES:-8b 14b}        # random-weight models to write (opencoti_patch.build.synth_gguf)
 M8B=${OPENCOTI_M8B:-$W/m-8b-q4_0.gguf}
 M14B=${OPENCOTI_M14B:-$W/m-14b-q4_0.gguf}
 NGL=99; BACKEND=CUDA0
@@ -42,7 +42,8 @@ prepare_src() {
     if [ -f "$ROOT/.carry/APPLY_SERIES" ]; then
         (cd "$SRC" && while read -r p; do
             case "$p" in ''|'#'*) continue;; esac
-            patch -p1 --no-backup-if-mismatch -s < "$ROOT/patches/$p" || exit 1
+            # the applier of the stack: git apply (exact, no fuzz); no repository above $SRC is used
+            GIT_CEILING_DIRECTORIES=$W git apply --whitespace=nowarn "$ROOT/patches/$p" || exit 1
         done < "$ROOT/patches/series")
     fi
 }
@@ -60,7 +61,7 @@ build_cuda() {
 write_models() {
     export PYTHONPATH=$ROOT
     for shape in $SHAPES; do
-        python3 -m opencoti_patch.synth_gguf "$W/m-$shape-q4_0.gguf" --shape "$shape" --type q4_0 --tree "$SRC" || return 1
+        python3 -m opencoti_patch.build.synth_gguf "$W/m-$shape-q4_0.gguf" --shape "$shape" --type q4_0 --tree "$SRC" || return 1
     done
 }
 

@@ -1,0 +1,484 @@
+"""verify-identical: prove the patch series is default-off, by building pristine and patched trees.
+
+Checks (each pass/fail with evidence, rendered as markdown + JSON):
+
+1. reproducibility - the pristine tree built a second time, in a fresh build dir at another path
+   and with ccache disabled (a ccache hit would only replay the first build's objects, proving
+   nothing about the compiler), gives the same bytes for every DSO/tool.
+2. binaries - every DSO/tool of the pristine and patched builds compared byte for byte; a file that
+   differs must be fed by a changed source (directory rules in :func:`affected_artifacts`), and is
+   listed with the patches that touch those sources. An unexpected difference fails.
+3. behaviour - per KV cache type, ``harness/opencoti-harness`` built against each build runs a
+   deterministic random prompt (prefill) and single-token decode steps on a small random-weight
+   llama GGUF with flash attention on; the float32 logits of every decode step must be bitwise
+   identical (sha256 of the dump), and so must the graph (node/split counts of the pp and tg
+   reservation graphs from the log, and the nodes actually computed per decode step), the KV and
+   compute buffer sizes and the serialized state size.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..config import write_report
+from ..errors import CheckFailed, OpencotiError
+from ..report import info, render
+from ..stack.series import diff_paths, read_series
+from ..stack.tree import run_git
+from ..stack.upstream import sha256_file
+from .builder import (
+    LIB_TARGETS,
+    BuildOptions,
+    BuildResult,
+    artifact_key,
+    changed_files,
+    collect_artifacts,
+    configure_and_build,
+    export_tree,
+)
+from .harness import SINGLE_EXE, build_harness
+
+VERIFY_STAMP = "opencoti-verify"  # the same build info in both builds, so it cannot be a difference
+
+# --------------------------------------------------------------------------- sources -> artifacts
+
+# tools/<dir> -> artifact stems built from it (a stem matches "<stem>", "lib<stem>.so", "lib<stem>-*.so")
+TOOL_DIR_STEMS: dict[str, tuple[str, ...]] = {
+    "cli": ("llama-cli",),
+    "server": ("llama-server", "server-context", "llama-cli"),
+    "mtmd": ("mtmd", "llama-server", "server-context", "llama-cli", "llama-mtmd-cli"),
+    "ui": ("llama-ui", "llama-server", "server-context", "llama-cli"),
+    "llama-bench": ("llama-bench",),
+    "perplexity": ("llama-perplexity",),
+    "main": ("llama-cli",),
+}
+
+
+def _stem_match(key: str, stem: str) -> bool:
+    return key == stem or key == f"lib{stem}.so" or key.startswith(f"lib{stem}-")
+
+
+def affected_artifacts(path: str, available: Iterable[str]) -> set[str]:
+    """Artifact keys (see :func:`build.artifact_key`) whose bytes a change of ``path`` may change.
+
+    ggml/src/ggml-cpu -> libggml-cpu*, ggml/src/ggml-<backend> -> libggml-<backend>, ggml/include and
+    any ggml header or CMake file -> everything, ggml/src/*.c(pp) -> libggml-base (the registry,
+    ggml-backend-reg.cpp, -> libggml), src/ -> libllama, include/ -> libllama + common + tools,
+    common/ and vendor/ -> libllama-common + tools, tools/X -> X, tests/test-X.cpp -> test-X,
+    top-level CMake -> everything, anything else (docs, scripts, gguf-py, ...) -> nothing.
+    """
+    avail = set(available)
+    ggml_libs = {k for k in avail if k.startswith("libggml")}
+    tool_side = {k for k in avail if k not in ggml_libs and k not in ("libllama.so", "libllama-common.so")}
+    parts = path.split("/")
+    top = parts[0]
+    name = parts[-1]
+    if path == "CMakeLists.txt" or top == "cmake":
+        return avail
+    if top == "ggml":
+        if len(parts) >= 2 and parts[1] in ("include", "cmake"):
+            return avail
+        if name == "CMakeLists.txt" and len(parts) <= 3:
+            return avail
+        if len(parts) >= 4 and parts[1] == "src" and parts[2].startswith("ggml-"):
+            return {k for k in avail if k == f"lib{parts[2]}.so" or k.startswith(f"lib{parts[2]}-")}
+        if len(parts) == 3 and parts[1] == "src":
+            if name.endswith((".h", ".hpp", ".inc")):
+                return avail
+            if name.startswith("ggml-backend-reg") or name.startswith("ggml-backend-dl"):
+                return {"libggml.so"} & avail
+            if name.endswith((".c", ".cpp")):
+                return {"libggml-base.so"} & avail
+        return set()
+    if top == "src":
+        return {"libllama.so"} & avail
+    if top == "include":
+        return avail - ggml_libs
+    if top in ("common", "vendor"):
+        return ({"libllama-common.so"} & avail) | tool_side
+    if top == "tools" and len(parts) >= 3:
+        stems = TOOL_DIR_STEMS.get(parts[1], (f"llama-{parts[1]}",))
+        return {k for k in tool_side if any(_stem_match(k, s) for s in stems)}
+    if top == "tests":
+        if name.startswith("test-") and name.endswith((".cpp", ".c")) and len(parts) == 2:
+            return {name.rsplit(".", 1)[0]} & avail
+        return {k for k in avail if k.startswith("test-")}
+    if top == "app":
+        return {"llama"} & avail
+    return set()
+
+
+def patch_files(patch_text: str) -> list[str]:
+    """Paths a unified/git diff touches (both sides of renames), read with the series' patch model."""
+    return diff_paths(patch_text.encode("utf-8", "surrogateescape"))
+
+
+def attribute(diffs: Iterable[str], patches: dict[str, list[str]],
+              available: Iterable[str]) -> dict[str, list[str]]:
+    """For each differing artifact key, the patches whose files feed it."""
+    avail = set(available)
+    per_patch = {p: set().union(*(affected_artifacts(f, avail) for f in files)) if files else set()
+                 for p, files in patches.items()}
+    return {k: sorted(p for p, arts in per_patch.items() if k in arts) for k in sorted(diffs)}
+
+
+# --------------------------------------------------------------------------- log facts
+
+_FACT_PATTERNS: dict[str, re.Pattern[str]] = {
+    # "sched_reserve: graph: nodes = 130, splits = 1, ..." (the function name varies between pins)
+    "graph": re.compile(r"^\S+: graph(?: \(pp bs=\d+, tg bs=\d+\))?: (nodes = .*)$"),
+    "kv_size": re.compile(r"^\S+: size = (.*cells.*)$"),
+    "kv_buffer": re.compile(r"^\S+:\s+(\S+) KV buffer size = \s*(.*)$"),
+    "compute_buffer": re.compile(r"^\S+:\s+(\S+) compute buffer size = \s*(.*)$"),
+    "output_buffer": re.compile(r"^\S+:\s+(\S+)\s+output buffer size = \s*(.*)$"),
+    "model_buffer": re.compile(r"^\S+:\s+(\S+) model buffer size = \s*(.*)$"),
+    "nodes_computed": re.compile(r"^opencoti-harness: nodes computed: (.*)$"),
+}
+
+
+def parse_log_facts(text: str) -> dict[str, list[str]]:
+    """Graph and buffer facts llama prints at context creation (+ the harness's node counts)."""
+    facts: dict[str, list[str]] = {k: [] for k in _FACT_PATTERNS}
+    for line in text.splitlines():
+        line = line.rstrip()
+        for key, pat in _FACT_PATTERNS.items():
+            m = pat.search(line)
+            if m:
+                facts[key].append(" ".join(g.strip() for g in m.groups()))
+    return facts
+
+
+def first_difference(a: Path, b: Path, n_vocab: int) -> str:
+    """Where two float32 logit dumps first differ, and the largest absolute difference."""
+    fa, fb = array.array("f"), array.array("f")
+    fa.frombytes(Path(a).read_bytes())
+    fb.frombytes(Path(b).read_bytes())
+    if len(fa) != len(fb):
+        return f"sizes differ: {len(fa)} vs {len(fb)} floats"
+    first = next((i for i, (x, y) in enumerate(zip(fa, fb, strict=True)) if x != y), None)
+    if first is None:
+        return "identical values"
+    max_abs = max(abs(x - y) for x, y in zip(fa, fb, strict=True))
+    return (f"first difference at row {first // n_vocab} (0 = prefill), token {first % n_vocab}: "
+            f"{fa[first]!r} vs {fb[first]!r}; max |diff| {max_abs:.3g}")
+
+
+# --------------------------------------------------------------------------- checks + report
+
+@dataclass
+class Check:
+    name: str
+    stage: str  # "build", "reproducibility", "binaries", "behaviour"
+    passed: bool | None  # None = skipped
+    summary: str
+    evidence: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        return "skipped" if self.passed is None else ("pass" if self.passed else "FAIL")
+
+
+@dataclass
+class VerifyConfig:
+    work: Path
+    pristine: tuple[Path, str | None]  # (tree, rev or None = files as they are)
+    patched: tuple[Path, str | None]
+    patch_files: tuple[Path, ...] = ()  # applied on top of the patched export
+    series_dir: Path | None = None  # for attributing differences to patches
+    options: BuildOptions = field(default_factory=lambda: BuildOptions(targets=LIB_TARGETS))
+    repro: bool = True
+    kv_types: tuple[str, ...] = ("f16", "q8_0")
+    prompt_tokens: int = 2048
+    decode: int = 64
+    seed: int = 42
+    threads: int = 2
+    model: Path | None = None
+    patched_args: tuple[str, ...] = ()
+    progress: bool = True
+
+
+def _label_paths(work: Path, label: str) -> tuple[Path, Path]:
+    return work / label / "src", work / label / "build"
+
+
+def prepare_source(cfg: VerifyConfig, label: str, tree: Path, rev: str | None,
+                   patches: Sequence[Path] = ()) -> Path:
+    src, _ = _label_paths(cfg.work, label)
+    exported = export_tree(tree, src, rev)
+    info(f"[{label}] exported {exported.files} files from {exported.source} of {tree} "
+         f"({exported.written} written, {exported.removed} removed)")
+    ceiling = {"GIT_CEILING_DIRECTORIES": str(src.parent)}  # no enclosing repository: plain files
+    for p in patches:
+        # the applier of the stack (git apply: exact, no fuzz)
+        out = run_git(src, "apply", "--whitespace=nowarn", str(Path(p).resolve()), env=ceiling)
+        if out.rc != 0:
+            raise OpencotiError(f"[{label}] {p} does not apply to the export:\n{out.err}")
+    return src
+
+
+def build_label(cfg: VerifyConfig, label: str, opts: BuildOptions, fresh: bool = False) -> BuildResult:
+    src, build = _label_paths(cfg.work, label)
+    info(f"[{label}] building {' '.join(opts.targets)}{' (fresh, no ccache)' if fresh else ''}")
+    res = configure_and_build(src, build, opts, label=label, work_root=cfg.work, fresh=fresh,
+                              progress=cfg.progress)
+    info(f"[{label}] built in {res.seconds:.0f} s")
+    return res
+
+
+def ensure_model(cfg: VerifyConfig, gguf_tree: Path) -> Path:
+    """The small random-weight llama GGUF (synth_gguf 'tiny': 4 layers, 1024 embd, 8 heads, 2 KV
+    heads, head dim 128, ff 2048, vocab 4096, f16), written once per seed."""
+    if cfg.model is not None:
+        return cfg.model
+    from .synth_gguf import SHAPES, write_llama_gguf  # noqa: PLC0415 (needs numpy; only here)
+
+    path = cfg.work / "models" / f"tiny-f16-seed{cfg.seed}.gguf"
+    if not path.is_file():
+        tmp = path.with_suffix(".tmp")
+        write_llama_gguf(tmp, SHAPES["tiny"], "f16", cfg.seed, tree=gguf_tree)
+        tmp.replace(path)
+    return path
+
+
+@dataclass
+class HarnessRun:
+    label: str
+    kv: str
+    rc: int
+    log: Path
+    dump: Path
+    sha256: str | None
+    summary: dict[str, Any] | None
+    facts: dict[str, list[str]]
+
+
+def run_harness(cfg: VerifyConfig, exe: Path, label: str, kv: str, model: Path,
+                extra: Sequence[str] = ()) -> HarnessRun:
+    out = cfg.work / label / "runs"
+    out.mkdir(parents=True, exist_ok=True)
+    dump, js, log = out / f"logits-{kv}.f32", out / f"run-{kv}.json", out / f"run-{kv}.log"
+    for p in (dump, js):
+        p.unlink(missing_ok=True)
+    cmd = [str(exe), "-m", str(model), "-ctk", kv, "-ctv", kv, "-fa", "on", "-t", str(cfg.threads),
+           "--prompt-tokens", str(cfg.prompt_tokens), "--decode", str(cfg.decode), "--seed", str(cfg.seed),
+           "--dump-logits", str(dump), "--json", str(js), "--count-nodes"]
+    if cfg.options.cuda:
+        cmd += ["-ngl", "99"]
+    cmd += list(extra)
+    with log.open("w") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode
+    text = log.read_text(errors="replace")
+    summary = json.loads(js.read_text()) if (rc == 0 and js.is_file()) else None
+    return HarnessRun(label, kv, rc, log, dump, sha256_file(dump) if rc == 0 and dump.is_file() else None,
+                      summary, parse_log_facts(text))
+
+
+def compare_builds(a: BuildResult, b: BuildResult) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """(key -> sha in a, key -> sha in b, keys that differ or exist on one side only)."""
+    tools = [t for t in set(a.targets) | set(b.targets) if not t.startswith(("ggml", "llama-common"))
+             and t != "llama"]
+    ha = {artifact_key(x.name): x.sha256 for x in collect_artifacts(a.bin, tools)}
+    hb = {artifact_key(x.name): x.sha256 for x in collect_artifacts(b.bin, tools)}
+    diff = sorted(k for k in set(ha) | set(hb) if ha.get(k) != hb.get(k))
+    return ha, hb, diff
+
+
+def check_repro(first: BuildResult, second: BuildResult) -> Check:
+    ha, hb, diff = compare_builds(first, second)
+    ev = [f"{first.build} (ccache {'on' if first.options.ccache else 'off'}) vs {second.build} "
+          f"(fresh, ccache off)"]
+    ev += [f"{k}: {ha.get(k, '-')[:16]} {'==' if k not in diff else '!='} {hb.get(k, '-')[:16]}"
+           for k in sorted(set(ha) | set(hb))]
+    ok = not diff and bool(ha)
+    summary = (f"{len(ha)} artifacts byte-identical across two builds" if ok
+               else f"not reproducible: {', '.join(diff) or 'no artifacts'}")
+    return Check("same tree built twice", "reproducibility", ok, summary, ev)
+
+
+def check_binaries(pristine: BuildResult, patched: BuildResult, changed: Sequence[str],
+                   patches: dict[str, list[str]]) -> Check:
+    ha, hb, diff = compare_builds(pristine, patched)
+    avail = set(ha) | set(hb)
+    expected = set().union(*(affected_artifacts(f, avail) for f in changed)) if changed else set()
+    unexpected = [k for k in diff if k not in expected]
+    who = attribute(diff, patches, avail)
+    ev = [f"changed sources: {len(changed)}"]
+    ev += [f"identical: {k}" for k in sorted(avail) if k not in diff]
+    for k in diff:
+        tag = "UNEXPECTED" if k in unexpected else "expected"
+        ev.append(f"differs ({tag}): {k} <- {', '.join(who.get(k) or ['(no patch maps to it)'])}")
+    ok = not unexpected
+    summary = (f"{len(avail) - len(diff)} identical, {len(diff)} differ, all fed by changed sources" if ok
+               else f"unexpected difference in {', '.join(unexpected)}")
+    return Check("pristine vs patched binaries", "binaries", ok, summary, ev)
+
+
+def check_behaviour(kv: str, a: HarnessRun, b: HarnessRun, n_vocab: int | None) -> Check:
+    name = f"feature off, KV {kv}, -fa on"
+    if a.rc != 0 or b.rc != 0:
+        bad = [r for r in (a, b) if r.rc != 0]
+        ev = [f"{r.label}: harness exit {r.rc}, log {r.log}" for r in bad]
+        for r in bad:
+            ev += r.log.read_text(errors="replace").splitlines()[-8:]
+        return Check(name, "behaviour", False, "harness failed", ev)
+    ev: list[str] = []
+    problems: list[str] = []
+
+    def same(what: str, x: Any, y: Any) -> None:
+        if x == y:
+            ev.append(f"{what}: {x} (both)")
+        else:
+            ev.append(f"{what}: pristine {x} != patched {y}")
+            problems.append(what)
+
+    same("logits sha256", a.sha256, b.sha256)
+    if a.sha256 != b.sha256 and n_vocab:
+        ev.append(first_difference(a.dump, b.dump, n_vocab))
+    sa, sb = a.summary or {}, b.summary or {}
+    same("rows x n_vocab", f"{sa.get('rows')} x {sa.get('n_vocab')}",
+         f"{sb.get('rows')} x {sb.get('n_vocab')}")
+    same("decode tokens sha256", _tokens_sha(sa), _tokens_sha(sb))
+    same("nodes computed (prefill, decode min/max)", sa.get("nodes"), sb.get("nodes"))
+    same("state size (bytes)", sa.get("state_size"), sb.get("state_size"))
+    for key in ("graph", "kv_size", "kv_buffer", "compute_buffer", "output_buffer", "model_buffer"):
+        same(key.replace("_", " "), "; ".join(a.facts[key]) or "-", "; ".join(b.facts[key]) or "-")
+    if not a.facts["graph"]:
+        problems.append("no graph line in the log")
+        ev.append("llama printed no 'graph: nodes = ...' line")
+    ok = not problems
+    summary = (f"bitwise-identical logits ({sa.get('rows')} rows), same graph and buffers" if ok
+               else f"differs: {', '.join(problems)}")
+    return Check(name, "behaviour", ok, summary, ev)
+
+
+def _tokens_sha(summary: dict[str, Any]) -> str | None:
+    toks = summary.get("decode_tokens")
+    if toks is None:
+        return None
+    return hashlib.sha256(" ".join(map(str, toks)).encode()).hexdigest()[:16]
+
+
+def render_report(checks: Sequence[Check], meta: dict[str, Any], out_dir: Path,
+                  template_dirs: Sequence[Path]) -> tuple[Path, Path, dict[str, Any]]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ok = all(c.passed is not False for c in checks) and any(c.passed for c in checks)
+    verdict = "PASS" if ok else "FAIL"
+    data = {"verdict": verdict, "meta": meta,
+            "checks": [asdict(c) | {"status": c.status} for c in checks]}
+    js = out_dir / "verify-identical.json"
+    write_report(js, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    md = out_dir / "verify-identical.md"
+    write_report(md, render(template_dirs, "verify-identical.md.j2", r=data))
+    return js, md, data
+
+
+def verify_identical(cfg: VerifyConfig, template_dirs: Sequence[Path], report_dir: Path) -> dict[str, Any]:
+    """Run every stage; returns the report data (verdict PASS/FAIL). Never raises on a failed check."""
+    cfg.work.mkdir(parents=True, exist_ok=True)
+    opts = replace(cfg.options, build_commit=VERIFY_STAMP, build_number=0)
+    cfg = replace(cfg, options=opts)
+    checks: list[Check] = []
+    meta: dict[str, Any] = {
+        "generator": f"opencoti-patch {__version__}",
+        "pristine": f"{cfg.pristine[1] or 'files'} of {cfg.pristine[0]}",
+        "patched": f"{cfg.patched[1] or 'files'} of {cfg.patched[0]}"
+                   + (f" + {', '.join(p.name for p in cfg.patch_files)}" if cfg.patch_files else ""),
+        "targets": list(opts.targets), "cpu_variant": opts.cpu_variant, "cuda": opts.cuda,
+        "kv_types": list(cfg.kv_types), "prompt_tokens": cfg.prompt_tokens, "decode": cfg.decode,
+        "seed": cfg.seed, "threads": cfg.threads, "work": str(cfg.work),
+        "patched_args": list(cfg.patched_args), "command": " ".join(sys.argv),
+    }
+
+    def fail_build(label: str, exc: Exception) -> None:
+        checks.append(Check(f"build {label}", "build", False, str(exc).splitlines()[0],
+                            str(exc).splitlines()[1:]))
+
+    # sources
+    try:
+        prepare_source(cfg, "pristine", *cfg.pristine)
+        prepare_source(cfg, "patched", *cfg.patched, patches=cfg.patch_files)
+    except OpencotiError as exc:
+        fail_build("sources", exc)
+        return render_report(checks, meta, report_dir, template_dirs)[2]
+    psrc, _ = _label_paths(cfg.work, "pristine")
+    qsrc, _ = _label_paths(cfg.work, "patched")
+    changed = changed_files(psrc, qsrc)
+    meta["changed_sources"] = changed
+    patches = _patch_map(cfg, changed)
+    meta["patches"] = {k: v for k, v in patches.items()}
+
+    builds: dict[str, BuildResult] = {}
+    for label in ("pristine", "patched"):
+        try:
+            builds[label] = build_label(cfg, label, opts)
+            checks.append(Check(f"build {label}", "build", True, f"{len(builds[label].targets)} targets in "
+                                f"{builds[label].seconds:.0f} s", [str(builds[label].build)]))
+        except OpencotiError as exc:
+            fail_build(label, exc)
+
+    # 1. reproducibility
+    if cfg.repro and "pristine" in builds:
+        try:
+            export_tree(psrc, _label_paths(cfg.work, "pristine-repro")[0])
+            again = build_label(cfg, "pristine-repro", replace(opts, ccache=False), fresh=True)
+            checks.append(check_repro(builds["pristine"], again))
+        except OpencotiError as exc:
+            fail_build("pristine-repro", exc)
+    elif not cfg.repro:
+        checks.append(Check("same tree built twice", "reproducibility", None, "skipped (--skip-repro)"))
+
+    # 2. binaries
+    if len(builds) == 2:
+        checks.append(check_binaries(builds["pristine"], builds["patched"], changed, patches))
+
+    # 3. behaviour
+    if len(builds) == 2:
+        try:
+            exes = {label: build_harness(res.src, res.bin, res.build.parent / "harness", opts,
+                                         label=res.label) / SINGLE_EXE for label, res in builds.items()}
+            model = ensure_model(cfg, psrc)
+            meta["model"] = {"path": str(model), "sha256": sha256_file(model)}
+            for kv in cfg.kv_types:
+                info(f"[behaviour] KV {kv}: running the harness on both builds")
+                a = run_harness(cfg, exes["pristine"], "pristine", kv, model)
+                b = run_harness(cfg, exes["patched"], "patched", kv, model, cfg.patched_args)
+                n_vocab = (a.summary or {}).get("n_vocab")
+                checks.append(check_behaviour(kv, a, b, n_vocab))
+        except OpencotiError as exc:
+            checks.append(Check("harness", "behaviour", False, str(exc).splitlines()[0],
+                                str(exc).splitlines()[1:]))
+    return render_report(checks, meta, report_dir, template_dirs)[2]
+
+
+def _patch_map(cfg: VerifyConfig, changed: Sequence[str]) -> dict[str, list[str]]:
+    """patch name -> files it touches: the series (if any), the --patch-file diffs, else one entry
+    for the whole difference between the two trees."""
+    out: dict[str, list[str]] = {}
+    if cfg.series_dir is not None:
+        for name in read_series(cfg.series_dir):
+            p = cfg.series_dir / name
+            if p.is_file():
+                out[name] = patch_files(p.read_text(errors="replace"))
+    for p in cfg.patch_files:
+        out[p.name] = patch_files(Path(p).read_text(errors="replace"))
+    if not out and changed:
+        out["tree difference"] = list(changed)
+    return out
+
+
+def raise_on_failure(data: dict[str, Any]) -> None:
+    if data["verdict"] != "PASS":
+        failed = [c["name"] for c in data["checks"] if c["passed"] is False]
+        raise CheckFailed(f"verify-identical FAILED: {', '.join(failed) or 'no check ran'}")

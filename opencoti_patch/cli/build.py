@@ -1,0 +1,237 @@
+"""Click commands of the build side: rebuild, verify-identical, ci-workflow (logic in build.py,
+identical.py, ci.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..build.builder import (
+    CPU_VARIANT_CHOICES,
+    DEFAULT_CPU_VARIANT,
+    LIB_TARGETS,
+    OPTIONAL_TARGETS,
+    TOOL_TARGETS,
+    BuildOptions,
+    have_ccache,
+    have_gpu,
+    rebuild,
+)
+from ..build.identical import VerifyConfig, raise_on_failure, verify_identical
+from ..build.workflow import WORKFLOW_OUT, write_workflow
+from ..config import Settings
+from ..errors import CheckFailed, OpencotiError
+from ..stack.status import stale_against_series
+from ..stack.tree import Tree, run_git, tree_lock
+from .options import common_options
+
+
+def _targets(values: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
+    out: list[str] = []
+    for v in values:
+        out += [t.strip() for t in v.split(",") if t.strip()]
+    return tuple(out) or default
+
+
+def _cuda(flag: bool | None) -> bool:
+    """--cuda / --no-cuda, else auto: nvcc on PATH and a GPU visible."""
+    if flag is not None:
+        if flag and not shutil.which("nvcc"):
+            raise OpencotiError("--cuda: nvcc is not on PATH")
+        return flag
+    return bool(shutil.which("nvcc")) and have_gpu()
+
+
+def build_options(f: Any) -> Any:
+    for opt in reversed([
+        click.option("--cuda/--no-cuda", "cuda", default=None,
+                     help="Build the CUDA backend (default: when nvcc is present and a GPU is visible)."),
+        click.option("--cuda-arch", default="90-real", show_default=True,
+                     help="CMAKE_CUDA_ARCHITECTURES ('90' also embeds PTX, which nvcc 13.0 does not "
+                          "always reproduce byte for byte)."),
+        click.option("--cpu-variant", type=click.Choice(CPU_VARIANT_CHOICES), default=DEFAULT_CPU_VARIANT,
+                     show_default=True,
+                     help="CPU baseline (ggml variant names); 'all' = GGML_CPU_ALL_VARIANTS, 'native' is "
+                          "not reproducible across machines."),
+        click.option("--no-ccache", is_flag=True, help="Do not use ccache."),
+        click.option("-j", "--jobs", type=int, default=None, help="ninja -j (default: ninja's choice)."),
+        click.option("--cmake-arg", "cmake_args", multiple=True, metavar="-DX=Y",
+                     help="Extra CMake argument (repeatable)."),
+        click.option("--no-progress", is_flag=True, help="No progress bar (the build log is kept anyway)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@click.command("rebuild")
+@click.option("--rev", help="Build this commit of the tree (git archive) instead of its files as they are.")
+@click.option("--pin", help="Upstream pin for the stamp (default: the pin the tree was backed up as; "
+                            "only a folder opencoti-patch does not manage needs it).")
+@click.option("--allow-stale", is_flag=True,
+              help="Build a tree that is not exactly pristine + patches/series (the manifest says so).")
+@click.option("--targets", "targets", multiple=True, metavar="T1,T2",
+              help=f"Build targets (default: {', '.join(LIB_TARGETS + TOOL_TARGETS)}, plus "
+                   f"{', '.join(OPTIONAL_TARGETS)} when the tree has it; ggml-cuda with --cuda).")
+@click.option("--label", help="Build folder name under --build-root (default: cpu or cuda).")
+@click.option("--build-root", type=click.Path(file_okay=False, path_type=Path),
+              help="Where <label>/src and <label>/build go (default: <work-dir>/build).")
+@click.option("--fresh", is_flag=True, help="Delete the build folder first.")
+@click.option("--install", "install_dirs", multiple=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Copy the stamped DSOs here and verify their hashes (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@build_options
+@common_options
+def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, allow_stale: bool,
+                targets: tuple[str, ...],
+                label: str | None, build_root: Path | None, fresh: bool, install_dirs: tuple[Path, ...],
+                as_json: bool, cuda: bool | None, cuda_arch: str, cpu_variant: str, no_ccache: bool,
+                jobs: int | None, cmake_args: tuple[str, ...], no_progress: bool) -> None:
+    """Build the tree's DSOs (libggml-base, libggml, libggml-cpu, [libggml-cuda], libllama,
+    libllama-common) and tools reproducibly, stamp them with <pin>+<series fingerprint> and write
+    opencoti-build-manifest.{json,md} next to them."""
+    use_cuda = _cuda(cuda)
+    opts = BuildOptions(
+        targets=_targets(targets, (*LIB_TARGETS, *TOOL_TARGETS, *OPTIONAL_TARGETS)),
+        cuda=use_cuda, cuda_arch=cuda_arch, cpu_variant=cpu_variant,
+        ccache=not no_ccache and have_ccache(), jobs=jobs, extra_cmake=cmake_args)
+    root = (build_root or settings.work_dir / "build").resolve()
+    with tree_lock(settings):  # nothing may apply/unapply while the files are exported
+        stamp_pin, stale = _pin_and_staleness(settings, pin, rev)
+        if stale and not allow_stale:
+            raise CheckFailed(f"{settings.tree} is stale against {settings.patches_dir}: "
+                              f"{'; '.join(stale)}; `{settings.command('apply')}` or `snapshot` first, "
+                              "or pass --allow-stale")
+        manifest, out_dir = rebuild(settings.tree, root, opts, label=label or ("cuda" if use_cuda else "cpu"),
+                                    rev=rev, pin=stamp_pin, patches_dir=settings.patches_dir,
+                                    template_dirs=settings.templates_dirs, install_dirs=install_dirs,
+                                    fresh=fresh, progress=not no_progress, stale=stale)
+    if as_json:
+        click.echo(json.dumps(manifest, indent=2, sort_keys=True))
+        return
+    click.echo(f"built {manifest['build_commit']} ({len(manifest['artifacts'])} artifacts) in {out_dir}/bin")
+    click.echo(f"manifest: {out_dir}/opencoti-build-manifest.json (.md)")
+    for d in install_dirs:
+        click.echo(f"installed + verified: {d}")
+
+
+def _pin_and_staleness(settings: Settings, pin: str | None, rev: str | None) -> tuple[str, list[str]]:
+    """The stamp's pin is the Tree's; the stamp's fingerprint is patches/, so the tree must match it."""
+    tree = Tree(settings)
+    if tree.is_repo() and tree.read_state().get("pin"):
+        if pin and pin != tree.pin:
+            raise OpencotiError(f"--pin {pin}: {settings.tree} was backed up as pin {tree.pin}")
+        stale = stale_against_series(tree) if rev is None else []
+        return tree.pin, stale
+    if not pin:
+        raise OpencotiError(f"{settings.tree} is not a tree opencoti-patch backed up: "
+                            "pass --pin for the stamp")
+    return pin, [f"{settings.tree} is not managed by opencoti-patch: its match with patches/ is unchecked"]
+
+
+@click.command("verify-identical")
+@click.option("--pristine-rev", help="Pristine = this rev of --tree (default: the upstream/<pin> tag, else "
+                                     "a tag named 'upstream').")
+@click.option("--patched-rev", help="Patched = this rev of --tree (default: the tree's files as they are).")
+@click.option("--pristine-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Use this folder as the pristine tree instead.")
+@click.option("--patched-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Use this folder as the patched tree instead.")
+@click.option("--patch-file", "patch_files", multiple=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Apply this diff (-p1) on top of the patched export; without --patched-rev/--patched-dir "
+                   "the patched tree is then pristine + these diffs (repeatable).")
+@click.option("--targets", "targets", multiple=True, metavar="T1,T2",
+              help=f"Build targets (default: {', '.join(LIB_TARGETS[:4])}: the harness then uses its own "
+                   "small parser; add llama-common for common's, e.g. to pass --sparse-attn).")
+@click.option("--verify-root", type=click.Path(file_okay=False, path_type=Path),
+              help="Build folders go here (default: <work-dir>/verify; the pristine build is reused).")
+@click.option("--report-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where verify-identical.{md,json} go (default: <verify-root>/report).")
+@click.option("--skip-repro", is_flag=True, help="Skip the second (fresh, ccache-less) pristine build.")
+@click.option("--kv-types", default="f16,q8_0", show_default=True, help="KV cache types to run.")
+@click.option("--prompt-tokens", type=int, default=2048, show_default=True)
+@click.option("--decode", type=int, default=64, show_default=True)
+@click.option("--seed", type=int, default=42, show_default=True, help="Model weights and prompt seed.")
+@click.option("--threads", type=int, default=2, show_default=True)
+@click.option("--model", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Use this GGUF instead of the generated random-weight one.")
+@click.option("--patched-arg", "patched_args", multiple=True,
+              help="Extra harness argument for the patched runs only, e.g. '--sparse-attn=off' (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@build_options
+@common_options
+def verify_identical_cmd(settings: Settings, pristine_rev: str | None, patched_rev: str | None,
+                         pristine_dir: Path | None, patched_dir: Path | None, patch_files: tuple[Path, ...],
+                         targets: tuple[str, ...], verify_root: Path | None, report_dir: Path | None,
+                         skip_repro: bool, kv_types: str, prompt_tokens: int, decode: int, seed: int,
+                         threads: int, model: Path | None, patched_args: tuple[str, ...], as_json: bool,
+                         cuda: bool | None, cuda_arch: str, cpu_variant: str, no_ccache: bool,
+                         jobs: int | None, cmake_args: tuple[str, ...], no_progress: bool) -> None:
+    """Build pristine and patched with the same flags and prove the patches are default-off:
+    reproducible builds, byte-identical binaries wherever no patch feeds them, and bitwise-identical
+    logits, graph and buffer sizes with the feature off. Exit 4 on any failed check."""
+    tree = settings.tree
+    if pristine_dir is not None:
+        pristine: tuple[Path, str | None] = (pristine_dir, None)
+    else:
+        pristine = (tree, pristine_rev or _default_pristine_rev(settings))
+    if patched_dir is not None:
+        patched: tuple[Path, str | None] = (patched_dir, None)
+    elif patch_files and patched_rev is None:
+        patched = pristine
+    else:
+        patched = (tree, patched_rev)
+    use_cuda = _cuda(cuda)
+    opts = BuildOptions(targets=_targets(targets, LIB_TARGETS[:4]), optional_targets=(), cuda=use_cuda,
+                        cuda_arch=cuda_arch, cpu_variant=cpu_variant,
+                        ccache=not no_ccache and have_ccache(), jobs=jobs,
+                        extra_cmake=cmake_args)
+    root = (verify_root or settings.work_dir / "verify").resolve()
+    series_dir = settings.patches_dir if (settings.patches_dir / "series").is_file() else None
+    cfg = VerifyConfig(work=root, pristine=pristine, patched=patched, patch_files=patch_files,
+                       series_dir=series_dir, options=opts, repro=not skip_repro,
+                       kv_types=tuple(k.strip() for k in kv_types.split(",") if k.strip()),
+                       prompt_tokens=prompt_tokens, decode=decode, seed=seed, threads=threads, model=model,
+                       patched_args=tuple(a for arg in patched_args for a in arg.split()),
+                       progress=not no_progress)
+    out = (report_dir or root / "report").resolve()
+    with tree_lock(settings):
+        data = verify_identical(cfg, settings.templates_dirs, out)
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    else:
+        for c in data["checks"]:
+            click.echo(f"{c['status']:>7}  [{c['stage']}] {c['name']}: {c['summary']}")
+        click.echo(f"verdict: {data['verdict']}  (report: {out}/verify-identical.md)")
+    raise_on_failure(data)
+
+
+def _default_pristine_rev(settings: Settings) -> str:
+    """The pristine upstream of the tree: the tag of the pin it was backed up as (Tree.pin)."""
+    tree = Tree(settings)
+    if tree.is_repo() and tree.read_state().get("pin"):
+        return tree.tag
+    if tree.is_repo() and run_git(settings.tree, "rev-parse", "--verify", "--quiet", "upstream").rc == 0:
+        return "upstream"
+    raise OpencotiError(f"{settings.tree} is not a tree opencoti-patch backed up (and has no 'upstream' "
+                        "tag): pass --pristine-rev or --pristine-dir")
+
+
+@click.command("ci-workflow")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help=f"Output file (default: <root>/{WORKFLOW_OUT}).")
+@click.option("--cuda-arch", default="90", show_default=True)
+@click.option("--check", is_flag=True, help="Write nothing; exit 4 when the file is not up to date.")
+@common_options
+def ci_workflow_cmd(settings: Settings, out: Path | None, cuda_arch: str, check: bool) -> None:
+    """Render templates/github-workflow.yml.j2 into ci/github/rebuild.yml (CPU job + CUDA job)."""
+    path = out or settings.root / WORKFLOW_OUT
+    changed = write_workflow(path, settings.templates_dirs, cuda_arch=cuda_arch, check=check)
+    click.echo(f"{path}: {'written' if changed else 'up to date'}")
+
+
+COMMANDS = [rebuild_cmd, verify_identical_cmd, ci_workflow_cmd]

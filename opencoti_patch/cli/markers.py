@@ -1,0 +1,89 @@
+"""Click command ``markers``: audit (or ``--fix``) the UPSTREAM_SYNC markers of the series."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from ..config import Settings
+from ..errors import CheckFailed, OpencotiError, UsageProblem
+from ..markers.audit import audit, diff_patch, format_report
+from ..markers.fix import fix_tree
+from ..report import info
+from ..stack.series import Patch, load_series, read_series
+from ..stack.tree import Tree, tree_lock
+from .options import common_options
+
+
+def whole_series_tree(settings: Settings) -> Path | None:
+    """The default tree when it carries exactly the series (the exact check's input), else None."""
+    tree = Tree(settings)
+    if not tree.exists() or not tree.is_repo() or not tree.read_state().get("pin"):
+        return None
+    applied = [c.patch for c in tree.stack()]
+    return settings.tree if applied == read_series(settings.patches_dir) and not tree.dirty() else None
+
+
+def _load(settings: Settings, diff_file: Path | None, feature: str | None) -> list[Patch]:
+    try:
+        if diff_file is not None:
+            stdin = str(diff_file) == "-"
+            data = sys.stdin.buffer.read() if stdin else diff_file.read_bytes()
+            return [diff_patch(data, "stdin" if stdin else diff_file.name, feature)]
+        if not settings.series_file.is_file():
+            raise OpencotiError(f"{settings.series_file}: no series file")
+        return load_series(settings.patches_dir)
+    except OSError as exc:
+        raise OpencotiError(str(exc)) from exc
+
+
+@click.command("markers")
+@click.option("--json", "as_json", is_flag=True, help="print the regions and issues as JSON")
+@click.option("--fix", is_flag=True,
+              help="wrap unmarked changes in the tree in begin/end markers (then run snapshot)")
+@click.option("--diff", "diff_file", type=click.Path(allow_dash=True, dir_okay=False, path_type=Path),
+              help="audit this diff (e.g. `git diff upstream`) instead of the series; - = stdin")
+@click.option("--feature", help="the feature of --diff (a bare diff has no Feature: header)")
+@common_options
+def markers_command(settings: Settings, as_json: bool, fix: bool, diff_file: Path | None,
+                    feature: str | None) -> None:
+    """Check that every change to an upstream file is inside UPSTREAM_SYNC markers.
+
+    Lists every marked region (the map an upstream sync works from) and fails (exit 4) on
+    unmarked changes, unmatched or nested begin/end and feature mismatches. The check is exact
+    against --tree, else against the default tree when it carries the whole series; only when
+    there is no such tree does it fall back to the patches alone (and says so).
+    """
+    patches = _load(settings, diff_file, feature)
+    explicit = "--tree" in settings.path_args
+    if explicit and not settings.tree.is_dir():
+        raise OpencotiError(f"--tree {settings.tree}: no such folder")
+    if fix:
+        if not explicit and whole_series_tree(settings) is None:
+            raise UsageProblem("--fix needs --tree (it edits the files of the tree)")
+        with tree_lock(settings):
+            result = fix_tree(settings.tree, patches)
+        if as_json:
+            click.echo(json.dumps(result.to_dict(), indent=2))
+        else:
+            for change in result.changes:
+                click.echo(str(change))
+            for issue in result.refused:
+                click.echo(f"{issue}: refused")
+            click.echo(format_report(result.report))
+            if result.changes:
+                click.echo(f"now run `{settings.command('snapshot')}` to capture the markers in the patches")
+        if not result.ok:
+            raise CheckFailed("markers --fix: some changes could not be marked (listed above)")
+        return
+    tree = settings.tree if explicit else (whole_series_tree(settings) if diff_file is None else None)
+    if tree is None and not explicit:
+        info(f"markers: no tree carrying the whole series at {settings.tree}: checking the patches "
+             "alone (pass --tree for the exact check)")
+    report = audit(patches, tree)
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
+    if not report.ok:
+        raise CheckFailed(f"markers: {len(report.errors)} error(s) (listed above)")

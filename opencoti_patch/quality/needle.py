@@ -1,0 +1,262 @@
+"""Quality of the block selection on real prose: passkey retrieval and decode fidelity, sparse vs dense.
+
+Both run ``opencoti-harness-batch --variants``: each request is prefilled once (dense, as ``--sparse-attn on``
+does for prompts), then its sequence state is copied into one context per attention variant (dense, sparse at
+each budget, the equal-size window), and each decodes. So all variants see the same prompt, the same prefill
+and the same samples, and N variants cost one prefill.
+
+- **passkey**: a 5-digit key in a needle sentence (several wordings) inside real prose paragraphs
+  (:mod:`opencoti_patch.quality.prose`),
+  at a uniform depth restricted to the blocks that sparse attention may drop
+  (past the sink block, before the recent blocks), then a question (several frames); greedy answer.
+- **fidelity**: teacher-forced decode steps over real prose after a long prefill; KL(dense || variant) and
+  top-1 agreement per step (:func:`opencoti_patch.quality.evaluate.compare_logits`).
+
+Budgets are stated as **attended tokens** (sink + recent + top-k blocks): ``share`` of the context, or a fixed
+number of tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import OpencotiError
+from .evaluate import AttnConfig, compare_logits, parse_answer, window_config
+from .prose import take_text
+
+BLOCK = 128
+SINK = 128
+RECENT = 256
+
+HEADER = "Read the following text carefully. A pass key is hidden somewhere in it; remember it.\n\n"
+NEEDLES = (
+    "The pass key is {key}. Remember it. {key} is the pass key.",
+    "Important: the secret pass key is {key}. Keep this number in mind, you will be asked for it.",
+    "Note for the reader: the pass key that you will need later is {key}.",
+)
+QUESTIONS = (
+    "\n\nQuestion: What is the pass key?\nAnswer: The pass key is",
+    "\n\nQuestion: Which number was given as the pass key in the text above?\nAnswer: The pass key is",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A decode variant: dense, or sparse with a budget of attended tokens."""
+
+    name: str
+    cfg: AttnConfig
+
+    def json(self) -> dict[str, Any]:
+        c = self.cfg
+        if not c.sparse:
+            return {"name": self.name, "sparse_attn": False}
+        return {"name": self.name, "sparse_attn": True, "topk": c.topk, "block_size": c.block_size,
+                "recent": c.recent, "sink": c.sink, "dense_layers": c.dense_layers, "min_ctx": 1}
+
+    def attended(self, n_ctx: int) -> int:
+        return self.cfg.attended_blocks(n_ctx) * self.cfg.block_size
+
+
+def sparse_variant(n_ctx: int, attended_tokens: int, name: str) -> Variant:
+    """Sparse attention attending ``attended_tokens`` of ``n_ctx`` (whole blocks): sink + recent + top-k."""
+    base = AttnConfig(name, sparse=True, topk=1, block_size=BLOCK, sink=SINK, recent=RECENT, min_ctx=1,
+                      fraction=attended_tokens / n_ctx)
+    top_k = round(attended_tokens / BLOCK) - base.sink_blocks - base.recent_blocks
+    if top_k < 1:
+        raise OpencotiError(f"{attended_tokens} attended tokens of {n_ctx} leave no top-k block")
+    return Variant(name, dataclasses.replace(base, topk=top_k))
+
+
+def variants_for(n_ctx: int, shares: Sequence[float], fixed_tokens: Sequence[int],
+                 window: bool = True) -> list[Variant]:
+    """dense, sparse at each share of the context and at each smaller fixed budget, the window of the first
+    share."""
+    out = [Variant("dense", AttnConfig("dense"))]
+    min_tokens = (sparse_variant(n_ctx, n_ctx, "").cfg.sink_blocks
+                  + sparse_variant(n_ctx, n_ctx, "").cfg.recent_blocks + 1) * BLOCK
+    for share in shares:  # a share below sink + recent + 1 block has no top-k at this context: not run
+        if round(share * n_ctx) >= min_tokens:
+            out.append(sparse_variant(n_ctx, round(share * n_ctx), f"sparse-{share * 100:g}%"))
+    for tokens in fixed_tokens:  # a fixed budget below the shares' and not one of them
+        if tokens < n_ctx * min(shares, default=1.0) and all(v.attended(n_ctx) != tokens for v in out[1:]):
+            out.append(sparse_variant(n_ctx, tokens, f"sparse-{tokens}t"))
+    if window and len(out) > 1:
+        w = window_config(out[1].cfg, n_ctx)
+        out.append(Variant(f"window-{out[1].name.removeprefix('sparse-')}", w))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    sid: str
+    n_ctx: int
+    doc: int  # index of the first prose paragraph of the filler
+    depth: float  # where the needle sits, as a fraction of the filler
+    key: str
+    needle: int
+    question: int
+
+    def prompt(self, paragraphs: list[str], filler_chars: int) -> str:
+        text = take_text(paragraphs, self.doc, filler_chars)
+        cut = int(self.depth * len(text))
+        at = text.rfind("\n\n", 0, cut)  # the needle is a paragraph of its own
+        at = 0 if at < 0 else at + 2
+        needle = NEEDLES[self.needle].format(key=self.key)
+        return HEADER + text[:at] + needle + "\n\n" + text[at:] + QUESTIONS[self.question]
+
+
+def make_samples(seed: int, n_ctx: int, count: int, n_paragraphs: int, per_doc: int = 25) -> list[Sample]:
+    """``count`` samples: groups of ``per_doc`` share one filler (prefix reuse), depths spread uniformly over
+    the droppable part of the context, keys, wordings and frames drawn from ``seed``."""
+    rng = random.Random(seed * 1_000_003 + n_ctx)
+    lo = (SINK + 2 * BLOCK) / n_ctx  # past the sink block (and the header)
+    hi = 1.0 - (RECENT + 3 * BLOCK) / n_ctx  # before the recent blocks (and the question)
+    if hi <= lo:
+        raise OpencotiError(f"context {n_ctx} too small for a needle outside the sink and recent blocks")
+    out = []
+    docs = [rng.randrange(n_paragraphs) for _ in range(-(-count // per_doc))]
+    for i in range(count):
+        depth = lo + (hi - lo) * ((i % per_doc) + rng.random()) / per_doc
+        out.append(Sample(f"c{n_ctx}-{i:03d}", n_ctx, docs[i // per_doc], depth,
+                          f"{rng.randrange(10_000, 100_000)}", rng.randrange(len(NEEDLES)),
+                          rng.randrange(len(QUESTIONS))))
+    return out
+
+
+def run_variants(exe: Path, model: Path, n_ctx: int, variants: Sequence[Variant],
+                 requests: Sequence[dict[str, Any]], *, threads: int, log: Path,
+                 on_line: Callable[[dict[str, Any]], None] | None = None,
+                 extra: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """One harness process: every request prefilled once (dense), decoded by every variant."""
+    with tempfile.TemporaryDirectory(prefix="opencoti-needle-") as tmp:
+        vfile, rfile = Path(tmp) / "variants.jsonl", Path(tmp) / "requests.jsonl"
+        vfile.write_text("".join(json.dumps(v.json()) + "\n" for v in variants))
+        rfile.write_text("".join(json.dumps(r) + "\n" for r in requests))
+        cmd = [str(exe), "--batch", str(rfile), "--variants", str(vfile), "-m", str(model), "-c", str(n_ctx),
+               "-fa", "on", "-t", str(threads), "-ngl", "0", "--swa-full", *extra]
+        out: list[dict[str, Any]] = []
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as err, \
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.strip():
+                    out.append(json.loads(line))
+                    if on_line is not None:
+                        on_line(out[-1])
+            rc = proc.wait()
+    expected = sum(1 if r.get("tokenize_only") else len(variants) for r in requests)
+    if rc != 0 or len(out) != expected:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-10:])
+        raise OpencotiError(f"harness exited {rc} after {len(out)}/{expected} results (log {log})\n{tail}")
+    for r in out:
+        if "variant" not in r:  # tokenize_only
+            continue
+        sparse = next(v for v in variants if v.name == r["variant"]).cfg.sparse
+        if sparse != (int(r.get("select_nodes", 0)) > 0):
+            raise OpencotiError(f"variant {r['variant']}: {r.get('select_nodes')} select nodes in the decode "
+                                f"of {r['id']}: the sparse path {'did not run' if sparse else 'ran'}")
+    return out
+
+
+class _Progress:
+    """Calls ``report`` once per finished sample (all its variants)."""
+
+    def __init__(self, report: Callable[[str], None] | None, label: str, n_samples: int,
+                 n_variants: int) -> None:
+        self.report, self.label = report, label
+        self.n_samples, self.n_variants, self.lines = n_samples, n_variants, 0
+
+    def __call__(self, _: dict[str, Any]) -> None:
+        self.lines += 1
+        if self.report is not None and self.lines % self.n_variants == 0:
+            self.report(f"{self.label}: {self.lines // self.n_variants}/{self.n_samples} samples")
+
+
+def chars_per_token(exe: Path, model: Path, paragraphs: list[str], log: Path) -> float:
+    text = take_text(paragraphs, 0, 40_000)
+    res = run_variants(exe, model, 16384, [Variant("dense", AttnConfig("dense"))],
+                       [{"id": "fit", "text": text, "tokenize_only": True}], threads=1, log=log)
+    return len(text) / int(res[0]["n_tokens"])
+
+
+def run_passkey(exe: Path, model: Path, paragraphs: list[str], *, contexts: dict[int, int],
+                shares: Sequence[float], fixed_tokens: Sequence[int], seed: int, threads: int, log_dir: Path,
+                n_generate: int = 8, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    t0 = time.monotonic()
+    cpt = chars_per_token(exe, model, paragraphs, log_dir / "fit.log")
+    by_ctx: dict[str, Any] = {}
+    for n_ctx, count in contexts.items():
+        variants = variants_for(n_ctx, shares, fixed_tokens)
+        samples = make_samples(seed, n_ctx, count, len(paragraphs))
+        filler_chars = int((n_ctx - 160 - n_generate) * cpt * 0.96)
+        # deepest needle first within a filler: a prompt shares its text up to its needle with the one before
+        ordered = sorted(samples, key=lambda s: (s.doc, -s.depth))
+        reqs = [{"id": s.sid, "text": s.prompt(paragraphs, filler_chars), "n_generate": n_generate,
+                 "reuse_prefix": BLOCK} for s in ordered]
+        tick = _Progress(progress, f"passkey {n_ctx}", len(reqs), len(variants))
+        res = run_variants(exe, model, n_ctx, variants, reqs, threads=threads,
+                           log=log_dir / f"passkey-{n_ctx}.log", on_line=tick)
+        keys = {s.sid: s for s in samples}
+        per: dict[str, dict[str, Any]] = {v.name: {"correct": 0, "answers": {}} for v in variants}
+        for r in res:
+            s = keys[r["id"]]
+            if r["n_tokens"] + n_generate > n_ctx:
+                raise OpencotiError(f"{s.sid}: {r['n_tokens']} prompt tokens do not fit {n_ctx}")
+            ans = parse_answer(r["text"])
+            per[r["variant"]]["answers"][s.sid] = ans
+            per[r["variant"]]["correct"] += ans == s.key
+        dense = per["dense"]["answers"]
+        for v in variants:
+            p = per[v.name]
+            p["agree_dense"] = sum(p["answers"][sid] == dense[sid] for sid in dense)
+            p["attended_tokens"] = v.attended(n_ctx)
+            p["topk"] = v.cfg.topk if v.cfg.sparse else None
+            p["wrong"] = [{"sid": sid, "key": keys[sid].key, "answer": a, "depth": round(keys[sid].depth, 3),
+                           "dense": dense[sid]}
+                          for sid, a in sorted(p["answers"].items()) if a != keys[sid].key]
+            del p["answers"]
+        n_tokens = [int(r["n_tokens"]) for r in res]
+        by_ctx[str(n_ctx)] = {"samples": count, "variants": per,
+                              "prompt_tokens": [min(n_tokens), max(n_tokens)],
+                              "ms_prefill": sum(r["ms_prefill"] for r in res if r["variant"] == "dense")}
+    return {"kind": "passkey", "seed": seed, "shares": list(shares), "fixed_tokens": list(fixed_tokens),
+            "needles": list(NEEDLES), "questions": list(QUESTIONS), "header": HEADER, "chars_per_token": cpt,
+            "contexts": by_ctx, "seconds": time.monotonic() - t0}
+
+
+def run_fidelity(exe: Path, model: Path, paragraphs: list[str], *, contexts: Sequence[int],
+                 shares: Sequence[float], fixed_tokens: Sequence[int], steps: int, seed: int, threads: int,
+                 log_dir: Path, samples: int = 1) -> dict[str, Any]:
+    t0 = time.monotonic()
+    cpt = chars_per_token(exe, model, paragraphs, log_dir / "fit.log")
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="opencoti-fidelity-") as tmp:
+        for n_ctx in contexts:
+            variants = variants_for(n_ctx, shares, fixed_tokens)
+            n_prefill = n_ctx - steps - 16
+            reqs = [{"id": f"f{n_ctx}-{i}", "text": take_text(paragraphs, rng.randrange(len(paragraphs)),
+                                                              int(n_ctx * cpt * 1.1)),
+                     "n_prefill": n_prefill, "n_forced": steps, "dump": str(Path(tmp) / f"f{n_ctx}-{i}.f32"),
+                     "return_targets": True} for i in range(samples)]
+            res = run_variants(exe, model, n_ctx, variants, reqs, threads=threads,
+                               log=log_dir / f"fidelity-{n_ctx}.log")
+            for req in reqs:
+                dense = next(r for r in res if r["id"] == req["id"] and r["variant"] == "dense")
+                for v in variants[1:]:
+                    m = compare_logits(Path(req["dump"] + ".dense"), Path(req["dump"] + "." + v.name),
+                                       int(dense["n_vocab"]), dense.get("targets"))
+                    rows.append({"n_ctx": n_ctx, "sample": req["id"], "variant": v.name,
+                                 "attended_tokens": v.attended(n_ctx), **m})
+    return {"kind": "fidelity", "steps": steps, "shares": list(shares), "fixed_tokens": list(fixed_tokens),
+            "rows": rows, "seconds": time.monotonic() - t0}

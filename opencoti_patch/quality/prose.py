@@ -1,0 +1,144 @@
+"""Real prose for the quality evals: paragraphs of running text from documentation folders.
+
+A selector is judged on text whose blocks differ from each other. A filler that repeats one sentence
+makes every block look alike, so any selector finds the needle; real paragraphs do not.
+
+Sources, read in sorted path order so that the corpus is the same on every machine:
+- HTML (e.g. the Python documentation, Debian's ``python3-doc``: ``/usr/share/doc/python3/html``):
+  the text of ``<p>`` elements outside ``<pre>``/``<code>``-only blocks, tables and navigation;
+- Markdown (e.g. the ``docs/`` of the pinned llama.cpp tree, which every run fetches): paragraphs
+  outside code fences, tables, headings, lists of links and HTML.
+
+Only paragraphs of at least ``min_words`` words that read as sentences (end with ``.``, ``!``, ``?``
+or ``:``) are kept, and each paragraph once (the first occurrence), so nothing repeats.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Iterable, Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+from ..errors import OpencotiError
+
+MIN_WORDS = 25
+_SPACE = re.compile(r"\s+")
+_MD_LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")
+_MD_MARKUP = re.compile(r"[*`]+")
+
+
+class _ParagraphParser(HTMLParser):
+    """Collects the text of each <p> element; text inside <pre>, <table>, <nav> and scripts is dropped."""
+
+    _SKIP = {"pre", "table", "nav", "script", "style", "footer", "header"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.paragraphs: list[str] = []
+        self._skip = 0
+        self._in_p = False
+        self._buf: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in self._SKIP:
+            self._skip += 1
+        elif tag == "p" and not self._skip:
+            self._in_p, self._buf = True, []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self._SKIP and self._skip:
+            self._skip -= 1
+        elif tag == "p" and self._in_p:
+            self._in_p = False
+            self.paragraphs.append("".join(self._buf))
+
+    def handle_data(self, data: str) -> None:
+        if self._in_p and not self._skip:
+            self._buf.append(data)
+
+
+def _clean(text: str) -> str:
+    return _SPACE.sub(" ", html.unescape(text)).strip()
+
+
+def _html_paragraphs(text: str) -> list[str]:
+    parser = _ParagraphParser()
+    parser.feed(text)
+    parser.close()
+    return [_clean(p) for p in parser.paragraphs]
+
+
+def _markdown_paragraphs(text: str) -> list[str]:
+    out: list[str] = []
+    buf: list[str] = []
+    fenced = False
+
+    def flush() -> None:
+        if buf:
+            out.append(_clean(_MD_MARKUP.sub("", _MD_LINK.sub(r"\1", " ".join(buf)))))
+            buf.clear()
+
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith(("```", "~~~")):
+            fenced = not fenced
+            flush()
+            continue
+        if fenced or not s or s.startswith(("#", "|", "<", ">", "- ", "* ", "+ ", "    ", "\t")) \
+                or re.match(r"^\d+\. ", s) or line.startswith(("    ", "\t")):
+            flush()
+            continue
+        buf.append(s)
+    flush()
+    return out
+
+
+def is_prose(paragraph: str, min_words: int = MIN_WORDS) -> bool:
+    words = paragraph.split()
+    return len(words) >= min_words and paragraph.rstrip().endswith((".", "!", "?", ":"))
+
+
+def iter_paragraphs(roots: Iterable[Path], min_words: int = MIN_WORDS) -> Iterator[str]:
+    """Distinct prose paragraphs of every .html/.md file under ``roots``, in sorted path order."""
+    seen: set[str] = set()
+    for root in roots:
+        files = [root] if root.is_file() else sorted(
+            p for p in root.rglob("*") if p.suffix.lower() in (".html", ".htm", ".md") and p.is_file())
+        for path in files:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            paras = _html_paragraphs(text) if path.suffix.lower() in (".html", ".htm") \
+                else _markdown_paragraphs(text)
+            for p in paras:
+                if is_prose(p, min_words) and p not in seen:
+                    seen.add(p)
+                    yield p
+
+
+def load_corpus(roots: Iterable[Path], min_words: int = MIN_WORDS) -> list[str]:
+    roots = list(roots)
+    missing = [str(r) for r in roots if not r.exists()]
+    if missing:
+        raise OpencotiError(f"prose source not found: {', '.join(missing)} (`apt-get install python3-doc` "
+                            "gives /usr/share/doc/python3/html; the llama.cpp tree's docs/ also works)")
+    paras = list(iter_paragraphs(roots, min_words))
+    if not paras:
+        raise OpencotiError(f"no prose paragraphs found under {', '.join(map(str, roots))}")
+    return paras
+
+
+def take_text(paragraphs: list[str], start: int, n_chars: int) -> str:
+    """Consecutive paragraphs from index ``start`` (wrapping around) until ``n_chars`` characters."""
+    if not paragraphs:
+        raise OpencotiError("empty prose corpus")
+    out: list[str] = []
+    size = 0
+    i = start % len(paragraphs)
+    while size < n_chars:
+        out.append(paragraphs[i])
+        size += len(paragraphs[i]) + 2
+        i = (i + 1) % len(paragraphs)
+        if i == start % len(paragraphs) and size < n_chars:
+            raise OpencotiError(f"the prose corpus holds only {size} characters, {n_chars} needed")
+    return "\n\n".join(out)

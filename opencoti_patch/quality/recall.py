@@ -1,0 +1,268 @@
+"""Selection recall: the share of the true (dense) attention mass that a block selector keeps.
+
+From one dense prefill's post-RoPE queries and keys (``opencoti-qk-dump``), the attention of each of the
+last N positions over its causal context is known exactly. For every query position t (a teacher-forced
+decode step), every sparse layer and every KV head:
+
+- ``mass[b]``: the softmax weight that falls in block b, averaged over the query heads of the KV head
+  (what sparse attention loses by dropping b, summed over its query heads);
+- a selector keeps the first ``sink`` and last ``recent`` visible blocks plus the ``top_k`` other blocks
+  with the highest score; its **recall** is the kept share of the mass;
+- the **oracle** keeps the same number of blocks, ranked by the true mass (the best any selector can do);
+- the **window** keeps the same number of blocks as sink + the most recent ones (no selection at all).
+
+Scorers (each from keys alone, as the KV cache holds them, f16-rounded):
+- ``minmax``: Quest's upper bound ``sum_d max(q_d*kmin_d, q_d*kmax_d)`` per sub-block of ``sub`` keys
+  (``sub`` = block size: one bound per block), block score = max over its sub-blocks, max over the
+  query heads of the KV head;
+- ``mean``: ``q . mean(k)`` per sub-block, same reductions (an estimate, not a bound);
+- ``mid``: ``q . (kmin + kmax)/2`` per sub-block: the centre of Quest's box, from the same min/max side-cache;
+- ``midlse``: the box centre as the page's key, aggregated like ``mlse`` (log-sum-exp over pages and heads);
+- ``meanstd``: ``q . mean(k) + c * sqrt(sum_d q_d^2 var_d(k))`` per sub-block (a statistical bound);
+- ``lse``: an estimate of the block's attention mass itself: per sub-block and query head, the log of
+  ``sub * exp(s*q.mean(k) + s^2/2 * sum_d q_d^2 var_d(k))`` (keys as independent normals per channel,
+  s = the softmax scale), then log-sum-exp over the sub-blocks and the query heads;
+- ``mlse``: the same without the variance term.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import OpencotiError
+
+
+@dataclasses.dataclass(frozen=True)
+class Scorer:
+    kind: str  # minmax | mean | meanstd | lse | mlse
+    sub: int  # keys per scored sub-block (divides the block size)
+    c: float = 0.0  # meanstd only
+    head_reduce: str = "max"  # max | sum (over the query heads of a KV head)
+
+    @property
+    def name(self) -> str:
+        extra = f"-c{self.c:g}" if self.kind == "meanstd" else ""
+        red = "" if self.head_reduce == "max" else f"-{self.head_reduce}"
+        return f"{self.kind}{self.sub}{extra}{red}"
+
+    def bytes_per_token(self, head_dim: int, bytes_per_value: int = 4) -> float:
+        """Side-cache bytes per token of context and KV head."""
+        vectors = 2 if self.kind in ("minmax", "mid", "midlse", "meanstd", "lse") else 1
+        return vectors * head_dim * bytes_per_value / self.sub
+
+
+def parse_scorer(text: str) -> Scorer:
+    """``minmax16``, ``mean32``, ``meanstd128-c2``, ``minmax16-sum``."""
+    parts = text.split("-")
+    head = parts[0]
+    kind = head.rstrip("0123456789")
+    if kind not in ("minmax", "mid", "midlse", "mean", "meanstd", "lse", "mlse") or kind == head:
+        raise OpencotiError(f"unknown scorer {text!r} (e.g. minmax16, mean32, meanstd128-c2)")
+    sub = int(head[len(kind):])
+    c, red = 0.0, "max"
+    for p in parts[1:]:
+        if p.startswith("c"):
+            c = float(p[1:])
+        elif p in ("max", "sum"):
+            red = p
+        else:
+            raise OpencotiError(f"unknown scorer option {p!r} in {text!r}")
+    return Scorer(kind, sub, c, red)
+
+
+def f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def block_mass(q: np.ndarray, k: np.ndarray, positions: np.ndarray, scale: float, block: int) -> np.ndarray:
+    """Attention mass per block: q [N, G, D] (the G query heads of one KV head), k [T, D] -> [N, nb].
+
+    Query n sits at position ``positions[n]`` and sees keys 0..positions[n]. Mass is averaged over G.
+    """
+    n_tok = k.shape[0]
+    nb = -(-n_tok // block)
+    logits = np.einsum("ngd,td->ngt", q, k, optimize=True) * scale
+    causal = np.arange(n_tok)[None, :] > positions[:, None]  # [N, T]
+    logits = np.where(causal[:, None, :], -np.inf, logits)
+    logits -= logits.max(axis=2, keepdims=True)
+    p = np.exp(logits)
+    p /= p.sum(axis=2, keepdims=True)
+    pad = nb * block - n_tok
+    if pad:
+        p = np.concatenate([p, np.zeros(p.shape[:2] + (pad,), p.dtype)], axis=2)
+    return p.reshape(p.shape[0], p.shape[1], nb, block).sum(axis=3).mean(axis=1)
+
+
+def _logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    return np.squeeze(m, axis) + np.log(np.sum(np.exp(x - m), axis=axis))
+
+
+def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale: float) -> np.ndarray:
+    """Scores per block: q [N, G, D], k [T, D] (f16-rounded as cached) -> [N, nb]."""
+    if block % scorer.sub:
+        raise OpencotiError(f"scorer sub-block {scorer.sub} does not divide block size {block}")
+    n_tok, d = k.shape
+    nsub = -(-n_tok // scorer.sub)
+    pad = nsub * scorer.sub - n_tok
+    kp = np.concatenate([k, np.full((pad, d), np.nan, k.dtype)]) if pad else k
+    ks = kp.reshape(nsub, scorer.sub, d)
+    if scorer.kind == "minmax":
+        kmin, kmax = np.nanmin(ks, axis=1), np.nanmax(ks, axis=1)
+        s = (np.einsum("ngd,sd->ngs", np.maximum(q, 0), kmax)
+             + np.einsum("ngd,sd->ngs", np.minimum(q, 0), kmin))
+    elif scorer.kind in ("mid", "midlse"):
+        s = np.einsum("ngd,sd->ngs", q, 0.5 * (np.nanmin(ks, axis=1) + np.nanmax(ks, axis=1)))
+        if scorer.kind == "midlse":
+            s = scale * s + np.log(scorer.sub)
+    else:
+        mu = np.nanmean(ks, axis=1)
+        s = np.einsum("ngd,sd->ngs", q, mu)
+        if scorer.kind == "meanstd":
+            var = np.nanvar(ks, axis=1)
+            s = s + scorer.c * np.sqrt(np.einsum("ngd,sd->ngs", q * q, var))
+        elif scorer.kind in ("lse", "mlse"):
+            s = scale * s + np.log(scorer.sub)
+            if scorer.kind == "lse":
+                s = s + 0.5 * scale * scale * np.einsum("ngd,sd->ngs", q * q, np.nanvar(ks, axis=1))
+    per_block = block // scorer.sub
+    nb = -(-n_tok // block)
+    padsub = nb * per_block - nsub
+    if padsub:
+        s = np.concatenate([s, np.full(s.shape[:2] + (padsub,), -np.inf, s.dtype)], axis=2)
+    s = s.reshape(s.shape[0], s.shape[1], nb, per_block)
+    if scorer.kind in ("lse", "mlse", "midlse"):  # estimated mass: sum over the sub-blocks and the query heads
+        return _logsumexp(_logsumexp(s, 3), 1)
+    s = s.max(axis=3)  # over the sub-blocks
+    return s.max(axis=1) if scorer.head_reduce == "max" else s.sum(axis=1)  # over the query heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    sink_blocks: int
+    recent_blocks: int
+    top_k: int
+
+    @property
+    def blocks(self) -> int:
+        return self.sink_blocks + self.recent_blocks + self.top_k
+
+
+def budget_for(n_ctx: int, share: float, block: int, sink: int = 128, recent: int = 256) -> Budget:
+    """The budget whose attended tokens (sink + recent + top-k blocks) are ``share`` of ``n_ctx``."""
+    sink_b = -(-sink // block) if sink > 0 else 0
+    recent_b = (recent - 1 + block - 1) // block + 1 if recent > 0 else 0  # llama_sparse_attn_params
+    top_k = round(share * n_ctx / block) - sink_b - recent_b
+    if top_k < 1:
+        raise OpencotiError(f"{share:.1%} of {n_ctx} tokens leaves no top-k block at block size {block}")
+    return Budget(sink_b, recent_b, top_k)
+
+
+def kept_mass(mass: np.ndarray, rank: np.ndarray, positions: np.ndarray, block: int,
+              budget: Budget) -> np.ndarray:
+    """Mass kept per query: sink + recent visible blocks + the top-k others by ``rank`` (higher first)."""
+    out = np.empty(mass.shape[0])
+    for n, t in enumerate(positions):
+        nv = int(t) // block + 1
+        m = mass[n, :nv]
+        fixed = np.zeros(nv, bool)
+        fixed[:budget.sink_blocks] = True
+        fixed[max(0, nv - budget.recent_blocks):] = True
+        cand = np.flatnonzero(~fixed)
+        if len(cand) > budget.top_k:
+            r = rank[n, cand]
+            # ties: lower block id first (the op's order); argsort is stable on -r
+            cand = cand[np.argsort(-r, kind="stable")[:budget.top_k]]
+        out[n] = m[fixed].sum() + m[cand].sum()
+    return out
+
+
+def window_mass(mass: np.ndarray, positions: np.ndarray, block: int, budget: Budget) -> np.ndarray:
+    out = np.empty(mass.shape[0])
+    for n, t in enumerate(positions):
+        nv = int(t) // block + 1
+        m = mass[n, :nv]
+        keep = np.zeros(nv, bool)
+        keep[:budget.sink_blocks] = True
+        keep[max(0, nv - (budget.blocks - budget.sink_blocks)):] = True
+        out[n] = m[keep].sum()
+    return out
+
+
+def summarize(x: np.ndarray) -> dict[str, float]:
+    return {"mean": float(np.mean(x)), "p10": float(np.percentile(x, 10)), "min": float(np.min(x))}
+
+
+def layer_recall(q: np.ndarray, k: np.ndarray, *, scale: float, block: int, shares: Sequence[float],
+                 scorers: Sequence[Scorer], sink: int = 128, recent: int = 256) -> dict[str, Any]:
+    """Recall of every scorer, the oracle and the window, per budget share, for one layer's dump.
+
+    q: [N, H, D] queries of the last N positions; k: [T, Hkv, D] keys of every position.
+    """
+    n_q, n_head, _ = q.shape
+    n_tok, n_head_kv, _ = k.shape
+    if n_head % n_head_kv:
+        raise OpencotiError(f"{n_head} query heads do not group over {n_head_kv} KV heads")
+    gqa = n_head // n_head_kv
+    positions = np.arange(n_tok - n_q, n_tok)
+    kc = f16(k)
+    acc: dict[str, dict[str, list[np.ndarray]]] = {}
+    for h in range(n_head_kv):
+        qg = q[:, h * gqa:(h + 1) * gqa, :]
+        mass = block_mass(qg, kc[:, h, :], positions, scale, block)
+        ranks = {s.name: block_scores(qg, kc[:, h, :], s, block, scale) for s in scorers}
+        for share in shares:
+            bud = budget_for(n_tok, share, block, sink, recent)
+            row = acc.setdefault(f"{share:g}", {})
+            row.setdefault("oracle", []).append(kept_mass(mass, mass, positions, block, bud))
+            row.setdefault("fixed", []).append(
+                kept_mass(mass, mass, positions, block, dataclasses.replace(bud, top_k=0)))
+            row.setdefault("window", []).append(window_mass(mass, positions, block, bud))
+            for name, r in ranks.items():
+                row.setdefault(name, []).append(kept_mass(mass, r, positions, block, bud))
+    out: dict[str, Any] = {}
+    for share, row in acc.items():
+        bud = budget_for(n_tok, float(share), block, sink, recent)
+        oracle = np.concatenate(row["oracle"])
+        fixed = np.concatenate(row["fixed"])
+        sel = {name: np.concatenate(v) for name, v in row.items() if name != "fixed"}
+        # "selected": of the mass outside the always-kept sink/recent blocks that the oracle's top-k holds,
+        # the share this selector's top-k holds (the number that separates selectors)
+        out[share] = {"budget": dataclasses.asdict(bud), "attended_tokens": bud.blocks * block,
+                      "fixed": summarize(fixed),
+                      "values": {name: summarize(v) for name, v in sel.items()},
+                      "of_oracle": {name: summarize(v / oracle) for name, v in sel.items()},
+                      "selected": {name: summarize((v - fixed) / np.maximum(oracle - fixed, 1e-12))
+                                   for name, v in sel.items()}}
+    return out
+
+
+def load_dump(dump_dir: Path, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    qp, kp = dump_dir / f"q-{layer}.npy", dump_dir / f"k-{layer}.npy"
+    if not qp.is_file() or not kp.is_file():
+        raise OpencotiError(f"no Q/K dump for layer {layer} in {dump_dir} (run opencoti-qk-dump)")
+    return np.load(qp), np.load(kp)
+
+
+def aggregate(per_layer: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Pool :func:`layer_recall` results of several texts and layers (equal query counts): per share and
+    selector, the mean kept mass, the mean and the mean per-layer p10 of its share of the oracle's mass,
+    and the mean share of the oracle top-k's mass (outside sink/recent) that its top-k holds."""
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for res in per_layer.values():
+        for share, v in res.items():
+            for name in v["values"]:
+                acc = out.setdefault(share, {}).setdefault(name, {"mass": [], "of_oracle": [],
+                                                                  "of_oracle_p10": [], "selected": []})
+                acc["mass"].append(v["values"][name]["mean"])
+                acc["of_oracle"].append(v["of_oracle"][name]["mean"])
+                acc["of_oracle_p10"].append(v["of_oracle"][name]["p10"])
+                acc["selected"].append(v["selected"][name]["mean"])
+    return {share: {name: {k: float(np.mean(x)) for k, x in acc.items()} for name, acc in row.items()}
+            for share, row in out.items()}

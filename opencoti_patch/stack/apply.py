@@ -1,0 +1,402 @@
+"""Apply, unapply, restore and rebase the series on the vendored tree (transactional).
+
+Each patch becomes one commit (author and subject from its header, fixed dates, trailers naming
+the patch file and its sha256), so re-applying an applied series is a no-op and a changed patch
+file is detected and re-applied. Patches must apply exactly (no fuzz, no offset) unless ``--3way``
+is asked for; on a failure the tree is put back at the last good patch and the failing patch, file
+and hunk are named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import DEFAULT_AUTHOR, Settings
+from ..errors import CheckFailed, OpencotiError, PatchFailed
+from ..report import render
+from .series import Patch, check_exact
+from .tree import Tree, TreeDiff, commit_message
+from .upstream import Pin, Upstream, materialize
+
+CLEAN, MERGED, CONFLICTED, FAILED = "clean", "merged", "conflicted", "failed"
+APPLIED_RE = re.compile(r"^Applied patch to '(.+)' (cleanly|with conflicts)\.$")
+
+
+@dataclass
+class Outcome:
+    patch: str
+    status: str  # clean | merged | conflicted | failed | already | would-apply | popped
+    files: list[str] = field(default_factory=list)
+    detail: str = ""
+    hunk: int | None = None
+    line: int | None = None
+
+
+@dataclass
+class Report:
+    pin: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    popped: list[str] = field(default_factory=list)
+    noop: bool = False
+    dry_run: bool = False
+    rescued: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def reader(tree: Tree, index: Path | None = None) -> Callable[[str], bytes | None]:
+    """Current content of a tree file: from the worktree, or from ``index`` (a scratch index)."""
+
+    def from_worktree(path: str) -> bytes | None:
+        full = tree.path / path
+        if full.is_symlink():
+            return str(full.readlink()).encode()
+        return full.read_bytes() if full.is_file() else None
+
+    def from_index(path: str) -> bytes | None:
+        r = tree.git("cat-file", "blob", f":{path}", index=index, check=False, binary=True)
+        return r.out if r.rc == 0 and isinstance(r.out, bytes) else None
+
+    return from_worktree if index is None else from_index
+
+
+def unmerged(tree: Tree, index: Path | None = None) -> list[str]:
+    out = tree.git("diff", "--name-only", "--diff-filter=U", index=index, check=False).text
+    return sorted(set(filter(None, out.splitlines())))
+
+
+def apply_one(tree: Tree, patch: Patch, three_way: bool, index: Path | None = None) -> Outcome:
+    """Apply one patch to the index+worktree (or only to the scratch ``index``); no commit."""
+    where = ["--cached"] if index is not None else ["--index"]
+    failure = check_exact(patch, reader(tree, index))
+    if failure is None:
+        r = tree.git("apply", *where, "--whitespace=nowarn", str(patch.path), index=index, check=False)
+        if r.rc == 0:
+            return Outcome(patch.name, CLEAN, sorted(patch.paths))
+        return Outcome(patch.name, FAILED, [], _git_reason(r.err))
+    if not three_way:
+        return Outcome(patch.name, FAILED, [failure.file], failure.reason, failure.hunk, failure.line)
+    cached = ["--cached"] if index is not None else []
+    r = tree.git("apply", "--3way", *cached, "--whitespace=nowarn", str(patch.path), index=index, check=False)
+    merged = sorted({m.group(1) for ln in r.err.splitlines() if (m := APPLIED_RE.match(ln.strip()))})
+    conflicts = unmerged(tree, index)
+    detail = f"exact apply failed ({failure.file}: {failure.reason})"
+    if r.rc == 0:
+        return Outcome(patch.name, MERGED, merged or [failure.file], detail)
+    if conflicts:
+        return Outcome(patch.name, CONFLICTED, conflicts, detail, failure.hunk, failure.line)
+    return Outcome(patch.name, FAILED, [failure.file],
+                   f"{failure.reason}; no 3-way merge either: {_three_way_reason(r.err)}",
+                   failure.hunk, failure.line)
+
+
+def _git_reason(err: str) -> str:
+    lines = [ln.removeprefix("error: ").strip() for ln in err.splitlines() if ln.strip()]
+    return "; ".join(lines[-2:]) or "git apply failed"
+
+
+# what `git apply --3way` prints on the way that is not the reason it failed
+_GIT_NOISE = re.compile(r"^(error: )?(Checking patch|Applied patch|Applying patch|Falling back"
+                        r"|Performing three-way|patch failed:|.*: patch does not apply"
+                        r"|.*: does not match index|U )")
+
+
+def _three_way_reason(err: str) -> str:
+    if "lacks the necessary blob" in err:
+        return ("the patch's `index` lines name file versions this tree's history does not hold "
+                "(it was not made against this upstream), so there is no common base to merge from")
+    lines = [ln.strip() for ln in err.splitlines() if ln.strip() and not _GIT_NOISE.match(ln.strip())]
+    return "; ".join(ln.removeprefix("error: ") for ln in lines[:2]) or "git found no way to merge it"
+
+
+def commit_patch(tree: Tree, patch: Patch) -> str:
+    message = commit_message(patch.header, patch.name, patch.sha256)
+    return tree.commit_index(message, patch.header.author or DEFAULT_AUTHOR)
+
+
+@contextlib.contextmanager
+def scratch_index(tree: Tree, base: str) -> Iterator[Path]:
+    """A throw-away index holding ``base``'s tree (the real index and worktree are not touched)."""
+    with tempfile.TemporaryDirectory(prefix="opencoti-index-") as tmp:
+        index = Path(tmp) / "index"
+        tree.git("read-tree", base, index=index)
+        yield index
+
+
+def plan(tree: Tree, patches: list[Patch]) -> tuple[int, list[str]]:
+    """How many applied patch commits match the series prefix, and which applied ones must go."""
+    stack = [c for c in tree.stack() if c.patch is not None]
+    keep = 0
+    for commit, patch in zip(stack, patches, strict=False):
+        if commit.patch != patch.name or commit.patch_sha256 != patch.sha256:
+            break
+        keep += 1
+    return keep, [c.patch or "" for c in stack[keep:]]
+
+
+def failure_message(tree: Tree, outcome: Outcome, patch: Patch, applied: int) -> str:
+    return render(
+        tree.settings.templates_dirs,
+        "apply-failure.txt.j2",
+        patch=outcome.patch,
+        file=outcome.files[0] if outcome.files else "",
+        hunk=outcome.hunk,
+        line=outcome.line,
+        reason=outcome.detail if outcome.status == FAILED
+        else f"3-way merge conflicted in {', '.join(outcome.files)}",
+        last_good=tree.stack()[-1].patch if applied else "",
+        pin=tree.pin,
+        applied=applied,
+        tree=tree.path,
+        patch_path=patch.path,
+        cmd=tree.settings.command,
+    )
+
+
+def apply_series(
+    tree: Tree,
+    patches: list[Patch],
+    three_way: bool = False,
+    dry_run: bool = False,
+    force: bool = False,
+    after_each: Callable[[Outcome], None] | None = None,
+) -> Report:
+    """Bring the tree to "pristine + the whole series", one commit per patch."""
+    tree.require()
+    report = Report(pin=tree.pin, dry_run=dry_run)
+    if not dry_run:  # leftovers of a killed run (HEAD is its last good patch); whatever is there is kept
+        saved = tree.recover_interrupted()
+        report.rescued = str(saved) if saved else None
+    if (tree.state_dir / "rebase.json").exists():
+        raise OpencotiError(f"a rebase is in progress: `{tree.settings.command('rebase --continue')}` "
+                            "or `--abort` first")
+    if dry_run:
+        if tree.dirty() or tree.uncaptured_commits():
+            raise OpencotiError(f"{tree.path} has uncaptured work; apply would refuse (see `status`)")
+    else:
+        rescued = tree.guard_clean("apply the series", force)
+        report.rescued = str(rescued) if rescued else report.rescued
+    keep, pop = plan(tree, patches)
+    stack = [c for c in tree.stack() if c.patch is not None]
+    base = stack[keep - 1].sha if keep else tree.rev(tree.tag) or ""
+    report.popped = pop
+    report.outcomes = [Outcome(p.name, "already") for p in patches[:keep]]
+    todo = patches[keep:]
+    if not todo and not pop:
+        report.noop = True
+        return report
+    if dry_run:
+        with scratch_index(tree, base) as index:
+            for patch in todo:
+                outcome = apply_one(tree, patch, three_way, index)
+                report.outcomes.append(outcome)
+                if outcome.status not in (CLEAN, MERGED):
+                    break
+        return report
+    if pop:
+        tree.reset_hard(base)
+    applied = keep
+    for patch in todo:
+        with tree.transaction():
+            outcome = apply_one(tree, patch, three_way)
+            if outcome.status in (CLEAN, MERGED):
+                commit_patch(tree, patch)
+                applied += 1
+            else:
+                tree.reset_hard("HEAD")
+            report.outcomes.append(outcome)
+            if after_each is not None:
+                after_each(outcome)
+        if outcome.status not in (CLEAN, MERGED):
+            raise PatchFailed(failure_message(tree, outcome, patch, applied), report)
+    return report
+
+
+def unapply(tree: Tree, count: int | None = None, force: bool = False, dry_run: bool = False) -> list[str]:
+    """Pop the top ``count`` patches (all when None); returns their names, top first."""
+    tree.require()
+    if not dry_run:
+        tree.recover_interrupted()
+        tree.guard_clean("unapply", force)
+    stack = [c for c in tree.stack() if c.patch is not None]
+    n = len(stack) if count is None else min(count, len(stack))
+    if n <= 0:
+        return []
+    popped = [c.patch or "" for c in reversed(stack[len(stack) - n:])]
+    if not dry_run:
+        target = stack[len(stack) - n - 1].sha if len(stack) > n else tree.rev(tree.tag) or ""
+        tree.reset_hard(target)
+    return popped
+
+
+def restore(tree: Tree, force: bool = False) -> tuple[TreeDiff, Path | None]:
+    """Pristine upstream, byte for byte (added files deleted too, ignored ones included)."""
+    tree.require()
+    rescued = tree.recover_interrupted()  # a killed run's half-applied patch is not the user's work
+    rescued = tree.guard_clean("restore", force) or rescued
+    (tree.state_dir / "rebase.json").unlink(missing_ok=True)
+    tree.reset_hard(tree.tag, ignored=True)
+    tree.txn_file.unlink(missing_ok=True)
+    diff = tree.verify_worktree()
+    if not diff.clean:
+        raise CheckFailed(f"restored tree still differs from the manifest: {diff.summary()}")
+    return diff, rescued
+
+
+# -- rebase ------------------------------------------------------------------------------------
+
+
+def _rebase_state_path(tree: Tree) -> Path:
+    return tree.state_dir / "rebase.json"
+
+
+def rebase_state(tree: Tree) -> dict[str, Any] | None:
+    path = _rebase_state_path(tree)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _save_rebase(tree: Tree, state: dict[str, Any]) -> None:
+    _rebase_state_path(tree).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+
+
+def import_pin(
+    tree: Tree, pin: Pin, upstream: Upstream, settings: Settings, from_file: Path | None = None
+) -> None:
+    """Make ``upstream/<pin>`` exist in the tree repo (fetching the pin's source if needed)."""
+    if tree.rev(pin.tag) is not None and tree.manifest_path(pin.name).is_file():
+        problems = tree.verify_backup(pin.name)
+        if problems:
+            raise CheckFailed(f"stored upstream {pin.name} is damaged: {problems[0]}")
+        return
+    scratch = settings.work_dir / f".import-{pin.name}"
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    try:
+        materialize(pin, upstream, settings, scratch, from_file)
+        tree.import_dir(scratch, pin)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def rebase(
+    tree: Tree,
+    patches: list[Patch],
+    pin: Pin,
+    upstream: Upstream,
+    settings: Settings,
+    from_file: Path | None = None,
+    force: bool = False,
+) -> tuple[Report, dict[str, Any] | None]:
+    """Re-apply the series (3-way) on top of ``pin``; stops at the first conflict, resolvable."""
+    tree.require()
+    if rebase_state(tree):
+        raise OpencotiError("a rebase is already in progress: use --continue or --abort")
+    if pin.name == tree.pin:
+        raise OpencotiError(f"the tree is already on {pin.name}")
+    tree.guard_clean("rebase", force)
+    import_pin(tree, pin, upstream, settings, from_file)
+    orig = tree.head()
+    tree.git("update-ref", "refs/opencoti/pre-rebase", orig)
+    state: dict[str, Any] = {
+        "from": tree.pin, "to": pin.name, "orig": orig, "current": None,
+        "remaining": [p.name for p in patches], "outcomes": [],
+    }
+    tree.reset_hard(pin.tag, ignored=True)
+    tree.write_state(pin=pin.name, commit=pin.commit)
+    _save_rebase(tree, state)
+    return _rebase_run(tree, patches, state)
+
+
+def _rebase_run(
+    tree: Tree, patches: list[Patch], state: dict[str, Any]
+) -> tuple[Report, dict[str, Any] | None]:
+    by_name = {p.name: p for p in patches}
+    while state["remaining"]:
+        name = state["remaining"][0]
+        if name not in by_name:
+            raise OpencotiError(f"{name} left the series during the rebase; `rebase --abort` and retry")
+        outcome = apply_one(tree, by_name[name], three_way=True)
+        if outcome.status in (CLEAN, MERGED):
+            commit_patch(tree, by_name[name])
+            state["outcomes"].append(asdict(outcome))
+            state["remaining"].pop(0)
+            _save_rebase(tree, state)
+            continue
+        if outcome.status == FAILED:
+            tree.reset_hard("HEAD")
+        state["current"] = asdict(outcome)
+        _save_rebase(tree, state)
+        return _rebase_report(tree, state), state
+    _rebase_state_path(tree).unlink(missing_ok=True)
+    return _rebase_report(tree, state), None
+
+
+def _rebase_report(tree: Tree, state: dict[str, Any]) -> Report:
+    report = Report(pin=state["to"], outcomes=[Outcome(**o) for o in state["outcomes"]])
+    if state.get("current"):
+        report.outcomes.append(Outcome(**state["current"]))
+        report.outcomes += [Outcome(n, "pending") for n in state["remaining"][1:]]
+    return report
+
+
+def rebase_continue(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str, Any] | None]:
+    state = rebase_state(tree)
+    if not state:
+        raise OpencotiError("no rebase in progress")
+    by_name = {p.name: p for p in patches}
+    name = state["remaining"][0]
+    marked = [f for f in (state["current"] or {}).get("files", [])
+              if (tree.path / f).is_file() and re.search(rb"^<<<<<<< ", (tree.path / f).read_bytes(), re.M)]
+    if marked:
+        raise OpencotiError(f"conflict markers remain in {', '.join(marked)}; resolve them, then --continue")
+    tree.git("add", "--all", "--", ".")
+    if name not in by_name:
+        raise OpencotiError(f"{name} is no longer in the series; `rebase --abort` and retry")
+    if not tree.git("diff", "--cached", "--name-only", "HEAD").text.strip():
+        raise OpencotiError(
+            f"nothing to commit for {name}: make its changes by hand, or `rebase --skip` to drop it"
+        )
+    commit_patch(tree, by_name[name])
+    outcome = dict(state["current"])
+    outcome["status"] = "resolved"
+    state["outcomes"].append(outcome)
+    state["remaining"].pop(0)
+    state["current"] = None
+    _save_rebase(tree, state)
+    return _rebase_run(tree, patches, state)
+
+
+def rebase_abort(tree: Tree) -> str:
+    state = rebase_state(tree)
+    if not state:
+        raise OpencotiError("no rebase in progress")
+    tree.reset_hard(state["orig"], ignored=True)
+    tree.write_state(pin=state["from"])
+    _rebase_state_path(tree).unlink(missing_ok=True)
+    return str(state["from"])
+
+
+def rebase_skip(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str, Any] | None]:
+    """Drop the conflicted patch (the next `snapshot` removes it from the series) and go on."""
+    state = rebase_state(tree)
+    if not state or not state.get("current"):
+        raise OpencotiError("no conflicted rebase step to skip")
+    tree.reset_hard("HEAD")
+    outcome = dict(state["current"])
+    outcome["status"] = "skipped"
+    dropped = tree.read_state().get("dropped", [])
+    tree.write_state(dropped=sorted({*dropped, outcome["patch"]}))
+    state["outcomes"].append(outcome)
+    state["remaining"].pop(0)
+    state["current"] = None
+    _save_rebase(tree, state)
+    return _rebase_run(tree, patches, state)

@@ -1,0 +1,338 @@
+"""Snapshot (alias refresh): write the vendored tree's changes back into the patch files.
+
+The tree's branch is the truth: every commit above ``upstream/<pin>`` is one patch. Uncommitted
+edits are folded into the top patch (``--top``; the default when they only touch files the top
+patch already touches) or become a new patch (``--new NAME``); commits made in the tree without an
+``Opencoti-Patch`` trailer become new patches (or fold into the top one with ``--top``).
+
+Each patch file is rendered deterministically (template ``patch-header.j2``; zero From line, no
+dates, no diffstat, no signature; ``git diff --full-index --binary --no-renames`` with the Myers
+algorithm and every user/system git setting ignored), the commits are rewritten with the new
+trailers, and the round trip is proven: the new series applied to the pristine upstream in a
+scratch index gives the git tree hash of the edited tree, byte for byte.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..config import DEFAULT_AUTHOR, Settings
+from ..errors import CheckFailed, OpencotiError
+from .apply import CLEAN, apply_one, scratch_index
+from .series import (
+    PatchHeader,
+    check_name,
+    next_name,
+    parse_patch,
+    read_series,
+    render_patch,
+    write_series,
+)
+from .tree import Tree, commit_message, parse_message
+
+DIFF_OPTIONS = (
+    "--full-index", "--binary", "--no-renames", "--no-color", "--no-ext-diff", "--no-textconv",
+    "--src-prefix=a/", "--dst-prefix=b/", "--diff-algorithm=myers", "--indent-heuristic",
+    "--ignore-submodules=none",
+)
+
+
+@dataclass
+class Entry:
+    name: str | None  # None: a new patch, numbered from ``slug``
+    header: PatchHeader
+    tree: str  # git tree id after this patch
+    slug: str | None = None
+
+
+@dataclass
+class RoundTrip:
+    ok: bool
+    expected: str
+    actual: str
+    differs: list[str] = field(default_factory=list)
+    detail: str = ""
+
+
+@dataclass
+class SnapshotResult:
+    series: list[str] = field(default_factory=list)
+    written: list[str] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    folded_into: str | None = None
+    stale: list[str] = field(default_factory=list)
+    roundtrip: RoundTrip | None = None
+    marked: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class NewPatch:
+    """What the user said about a patch being created (or the top one, with --top)."""
+
+    name: str | None = None
+    subject: str | None = None
+    description: str | None = None
+    feature: str | None = None
+    upstream_status: str | None = None
+    author: str | None = None
+
+    def apply_to(self, header: PatchHeader) -> PatchHeader:
+        changes = {k: v for k, v in (
+            ("subject", self.subject), ("description", self.description), ("feature", self.feature),
+            ("upstream_status", self.upstream_status), ("author", self.author),
+        ) if v is not None}
+        return replace(header, **changes)
+
+
+def _tree_of(tree: Tree, ref: str) -> str:
+    return tree.git("rev-parse", f"{ref}^{{tree}}").text.strip()
+
+
+def _worktree_tree(tree: Tree) -> str:
+    """The git tree id of HEAD plus every uncaptured edit (real index and worktree untouched)."""
+    with scratch_index(tree, "HEAD") as index:
+        tree.git("add", "--all", "--", ".", index=index)
+        return tree.git("write-tree", index=index).text.strip()
+
+
+def _changed_paths(tree: Tree, a: str, b: str) -> set[str]:
+    out = tree.git("diff-tree", "-r", "--name-only", "--no-renames", a, b).text
+    return set(filter(None, out.splitlines()))
+
+
+def _diff(tree: Tree, a: str, b: str) -> bytes:
+    out = tree.git("diff", *DIFF_OPTIONS, a, b, binary=True).out
+    assert isinstance(out, bytes)
+    return out
+
+
+def _entries(tree: Tree, new: NewPatch, top: bool) -> tuple[list[Entry], str | None]:
+    """The patch stack as it should be captured, and the patch the edits were folded into."""
+    entries: list[Entry] = []
+    for commit in tree.stack():
+        header, _, _ = parse_message(commit.message, tree.author_of(commit.sha))
+        entries.append(Entry(commit.patch, header, _tree_of(tree, commit.sha), commit.subject))
+    base = _tree_of(tree, tree.tag)
+    final = _worktree_tree(tree)
+    edited = final != (entries[-1].tree if entries else base)
+    captured = [i for i, e in enumerate(entries) if e.name is not None]
+    loose = [i for i, e in enumerate(entries) if e.name is None]
+    if top:
+        if not captured:
+            raise OpencotiError("no patch is applied, so there is no top patch: use --new NAME")
+        last = captured[-1]
+        entries = entries[: last + 1]
+        entries[last] = Entry(entries[last].name, new.apply_to(entries[last].header), final)
+        return entries, entries[last].name
+    if new.name is not None:
+        if edited:
+            subject = new.subject or new.name.replace("-", " ")
+            header = new.apply_to(PatchHeader(subject=subject, author=DEFAULT_AUTHOR))
+            entries.append(Entry(None, header, final, new.name))
+        elif len(loose) == 1:
+            e = entries[loose[0]]
+            entries[loose[0]] = Entry(None, new.apply_to(e.header), e.tree, new.name)
+        else:
+            raise OpencotiError(
+                "--new NAME: there are no uncaptured edits (or one uncaptured commit) to put in it"
+            )
+        return entries, None
+    if not edited:
+        return entries, None
+    if not captured or loose:
+        raise OpencotiError(
+            "uncaptured edits: say where they go, `snapshot --new NAME [--subject ...]` or `--top`"
+        )
+    top_entry = entries[-1]
+    parent = entries[-2].tree if len(entries) > 1 else base
+    own = _changed_paths(tree, parent, top_entry.tree)
+    outside = sorted(_changed_paths(tree, top_entry.tree, final) - own)
+    if outside:
+        raise OpencotiError(
+            f"the edits touch files the top patch {top_entry.name} does not ({', '.join(outside[:5])}); "
+            "use `snapshot --top` to fold them in anyway, or `--new NAME` for a new patch"
+        )
+    entries[-1] = Entry(top_entry.name, top_entry.header, final)
+    return entries, top_entry.name
+
+
+def snapshot(
+    tree: Tree,
+    new: NewPatch | None = None,
+    top: bool = False,
+    check: bool = False,
+    verify: bool = True,
+) -> SnapshotResult:
+    """Write the tree's patch commits (and edits) back into patches/: plan the entries, number the
+    new ones, render them, then (unless ``check``) stage, prove and swap in, and rewrite the commits."""
+    tree.require()
+    if (tree.state_dir / "rebase.json").exists():
+        raise OpencotiError("a rebase is in progress: finish it (`rebase --continue`) before a snapshot")
+    series = read_series(tree.settings.patches_dir)
+    applied_before = [c.patch for c in tree.stack() if c.patch is not None]
+    dropped = [n for n in tree.read_state().get("dropped", []) if n not in applied_before]
+    unapplied = [n for n in series if n not in applied_before and n not in dropped]
+    if check and (tree.dirty() or tree.uncaptured_commits()):
+        return SnapshotResult(series=series, stale=["uncaptured edits or commits in the tree"])
+    entries, folded = _entries(tree, new or NewPatch(), top)
+    if any(e.name is None for e in entries) and unapplied and not check:
+        raise OpencotiError(
+            f"{len(unapplied)} patch(es) of the series are not applied ({unapplied[0]}, ...): "
+            f"`{tree.settings.command('apply')}` them before adding a patch"
+        )
+    result = SnapshotResult(folded_into=folded, created=_number_new(entries, series))
+    rendered = _render(tree, entries, result)
+    names = [e.name or "" for e, _ in rendered]
+    result.removed = sorted(set(result.removed) | {n for n in applied_before + dropped if n not in names})
+    result.series = names + [n for n in unapplied if n not in names]
+    for e, data in rendered:
+        path = tree.settings.patches_dir / (e.name or "")
+        (result.unchanged if path.is_file() and path.read_bytes() == data else result.written).append(
+            e.name or "")
+    if check:
+        result.stale = sorted(set(result.written) | set(result.removed)
+                              | ({"series"} if result.series != series else set()))
+        return result
+    final_tree = entries[-1].tree if entries else _tree_of(tree, tree.tag)
+    _stage_prove_and_swap(tree, rendered, result, final_tree, verify)
+    _rewrite_commits(tree, [e for e, _ in rendered])
+    return result
+
+
+def _number_new(entries: list[Entry], series: list[str]) -> list[str]:
+    """Give the new entries the next free NNNN-name; returns those names."""
+    known = list(series) + [e.name for e in entries if e.name]
+    created = []
+    for e in entries:
+        if e.name is None:
+            e.name = next_name(known, e.slug or e.header.subject)
+            check_name(e.name)
+            known.append(e.name)
+            created.append(e.name)
+    return created
+
+
+def _render(tree: Tree, entries: list[Entry], result: SnapshotResult) -> list[tuple[Entry, bytes]]:
+    """Each entry's patch file bytes (header + its diff against the one before); an entry whose diff
+    is empty goes to ``result.removed``."""
+    rendered: list[tuple[Entry, bytes]] = []
+    parent = _tree_of(tree, tree.tag)
+    for e in entries:
+        assert e.name is not None
+        diff = _diff(tree, parent, e.tree)
+        parent = e.tree
+        if not diff:
+            result.removed.append(e.name)
+            continue
+        e.header = replace(e.header, filename=e.name, author=e.header.author or DEFAULT_AUTHOR)
+        rendered.append((e, render_patch(tree.settings.templates_dirs, e.header, diff)))
+    return rendered
+
+
+def _stage_prove_and_swap(tree: Tree, rendered: list[tuple[Entry, bytes]], result: SnapshotResult,
+                          final_tree: str, verify: bool) -> None:
+    """Render the new patches/ into a staging copy, prove the round trip from it, then swap it in."""
+    patches_dir = tree.settings.patches_dir
+    names = [e.name or "" for e, _ in rendered]
+    with staged_patches_dir(patches_dir) as staging:
+        for e, data in rendered:
+            if (e.name or "") in result.written:
+                (staging / (e.name or "")).write_bytes(data)
+        for name in result.removed:
+            if name not in names:
+                (staging / name).unlink(missing_ok=True)
+        write_series(staging, result.series)
+        if verify:
+            result.roundtrip = prove_round_trip(tree, names, staging, final_tree)
+            if not result.roundtrip.ok:
+                raise CheckFailed(
+                    f"round trip failed: re-applying the series to {tree.tag} does not give the edited "
+                    f"tree ({result.roundtrip.detail or ', '.join(result.roundtrip.differs[:5])}); "
+                    f"{patches_dir} was left as it was"
+                )
+
+
+def _rewrite_commits(tree: Tree, entries: list[Entry]) -> None:
+    """One commit per patch above the pristine tag, carrying the trailers of the written files."""
+    tree.write_state(dropped=[])
+    commit = tree.rev(tree.tag) or ""
+    for e in entries:
+        patch = parse_patch(tree.settings.patches_dir / (e.name or ""))
+        message = commit_message(e.header, e.name, patch.sha256)
+        commit = tree.commit_tree(e.tree, [commit], message, e.header.author)
+    tree.git("read-tree", commit)
+    tree.move_head(commit)
+
+
+@contextmanager
+def staged_patches_dir(patches_dir: Path) -> Iterator[Path]:
+    """A copy of ``patches_dir`` to change; it replaces ``patches_dir`` when the block succeeds.
+
+    The swap is two renames in the same parent folder; on any error the staging copy is deleted
+    and ``patches_dir`` is untouched.
+    """
+    parent = patches_dir.parent
+    staging = Path(tempfile.mkdtemp(prefix=f".{patches_dir.name}.new-", dir=parent))
+    old = parent / f".{patches_dir.name}.old-{staging.name.rsplit('-', 1)[-1]}"
+    try:
+        shutil.copytree(patches_dir, staging, symlinks=True, dirs_exist_ok=True)
+        yield staging
+        staging.chmod(patches_dir.stat().st_mode & 0o7777)
+        patches_dir.rename(old)
+        staging.rename(patches_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prove_round_trip(tree: Tree, names: list[str], patches_dir: Path | None = None,
+                     expected: str | None = None) -> RoundTrip:
+    """Apply ``names`` (from ``patches_dir``) to the pristine tree in a scratch index; compare with
+    the git tree ``expected`` (default: HEAD's)."""
+    expected = expected or _tree_of(tree, "HEAD")
+    patches_dir = patches_dir or tree.settings.patches_dir
+    with scratch_index(tree, tree.tag) as index:
+        for name in names:
+            patch = parse_patch(patches_dir / name)
+            outcome = apply_one(tree, patch, three_way=False, index=index)
+            if outcome.status != CLEAN:
+                return RoundTrip(False, expected, "", [], f"{name}: {outcome.detail}")
+        actual = tree.git("write-tree", index=index).text.strip()
+    if actual == expected:
+        return RoundTrip(True, expected, actual)
+    return RoundTrip(False, expected, actual, sorted(_changed_paths(tree, expected, actual)))
+
+
+def stale_report(result: SnapshotResult, settings: Settings) -> str:
+    if not result.stale:
+        return "patches/ is up to date with the tree"
+    return (f"patches/ is stale vs the tree: {', '.join(result.stale)} "
+            f"(run `{settings.command('snapshot')}`)")
+
+
+def summary(result: SnapshotResult, patches_dir: Path) -> str:
+    lines = []
+    if result.folded_into:
+        lines.append(f"edits folded into {result.folded_into}")
+    for label, items in (("created", result.created), ("written", result.written),
+                         ("removed", result.removed), ("unchanged", result.unchanged)):
+        if items:
+            lines.append(f"{label}: {', '.join(items)}")
+    lines.append(f"series: {len(result.series)} patch(es) in {patches_dir / 'series'}")
+    rt = result.roundtrip
+    if rt is not None:
+        lines.append(f"round trip OK: pristine + series = tree {rt.actual[:12]} (byte-identical re-apply)")
+    if result.marked:
+        lines.append(f"markers added in {', '.join(result.marked)}: capture them with `snapshot --top`")
+    return "\n".join(lines)

@@ -1,0 +1,115 @@
+"""What a newcomer meets first: the README's test command without ccache, a non-editable install."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from opencoti_patch.build import builder as b
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def path_without_ccache(tmp: Path) -> str:
+    """A PATH like the current one where no ccache can be found (a farm of links to the rest)."""
+    farm = tmp / "bin-farm"
+    farm.mkdir()
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        if not d or "ccache" in d or not Path(d).is_dir():
+            continue
+        for exe in Path(d).iterdir():
+            link = farm / exe.name
+            if exe.name == "ccache" or link.exists() or exe.resolve().name == "ccache":
+                continue
+            link.symlink_to(exe)
+    return str(farm)
+
+
+def test_default_build_options_follow_ccache_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    opts = b.BuildOptions()
+    assert opts.ccache is False
+    assert not any("LAUNCHER" in a for a in b.cmake_args(tmp_path, tmp_path / "b", opts, tmp_path / "h"))
+    fake = tmp_path / "ccache"
+    fake.write_text("#!/bin/sh\nexec \"$@\"\n")
+    fake.chmod(0o755)
+    assert b.BuildOptions().ccache is True
+
+
+def test_tiny_build_with_default_options_needs_no_ccache(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Configure + build a one-file CMake project with the launcher args of the default options."""
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("PATH", path_without_ccache(tmp_path))
+    src, build = tmp_path / "src", tmp_path / "build"
+    src.mkdir()
+    (src / "CMakeLists.txt").write_text("cmake_minimum_required(VERSION 3.14)\nproject(t C)\n"
+                                        "add_executable(t t.c)\n")
+    (src / "t.c").write_text("int main(void) { return 0; }\n")
+    opts = b.BuildOptions()
+    launcher = [a for a in b.cmake_args(src, build, opts, build / "h") if "LAUNCHER" in a]
+    cmake, ninja = b.find_tool("cmake"), b.find_tool("ninja")
+    cfg = subprocess.run([cmake, "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}", "-S", str(src),
+                          "-B", str(build), *launcher], capture_output=True, text=True)
+    assert cfg.returncode == 0, cfg.stdout + cfg.stderr
+    out = subprocess.run([cmake, "--build", str(build)], capture_output=True, text=True)
+    assert out.returncode == 0 and "ccache: not found" not in out.stdout + out.stderr, out.stdout
+
+
+@pytest.mark.skipif(os.environ.get("OPENCOTI_NESTED") == "1", reason="already inside ci/test.sh")
+def test_readme_test_command_without_ccache(tmp_path: Path) -> None:
+    """`./ci/test.sh` (the README's command) with no ccache on PATH, on the build-option tests."""
+    venv_dir = Path(sys.prefix)
+    env = dict(os.environ, PATH=path_without_ccache(tmp_path), OPENCOTI_VENV=str(venv_dir),
+               OPENCOTI_NESTED="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    res = subprocess.run([str(ROOT / "ci" / "test.sh"), "--fast", "tests/test_house.py", "-k", "ccache",
+                          "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "2 passed" in out and "ccache: not found" not in out
+
+
+@pytest.mark.skipif(os.environ.get("OPENCOTI_NESTED") == "1", reason="already inside ci/test.sh")
+def test_non_editable_install_runs_from_another_folder(tmp_path: Path) -> None:
+    """`pip install .` (not -e) into a fresh venv; status, ci-workflow and markers from elsewhere."""
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    py = env_dir / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # the dependencies come from this venv (a plain path line: its editable hook is not run)
+    deps = [p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix)]
+    (Path(site) / "deps-of-the-test.pth").write_text("\n".join(deps) + "\n")
+    pip = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(ROOT)], capture_output=True,
+                         text=True, env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
+    assert pip.returncode == 0, pip.stderr
+    where = subprocess.run([str(py), "-c", "import opencoti_patch; print(opencoti_patch.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True)
+    assert str(env_dir) in where.stdout, where.stdout + where.stderr  # not the source checkout
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "patches", project / "patches")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    exe = str(env_dir / "bin" / "opencoti-patch")
+    env = dict(os.environ, OPENCOTI_ROOT=str(project))
+    env.pop("OPENCOTI_TREE", None)
+    status = subprocess.run([exe, "status"], cwd=elsewhere, env=env, capture_output=True, text=True)
+    assert status.returncode == 0 and "template" not in status.stderr, status.stdout + status.stderr
+    wf = subprocess.run([exe, "ci-workflow", "--out", str(tmp_path / "wf.yml")], cwd=elsewhere, env=env,
+                        capture_output=True, text=True)
+    assert wf.returncode == 0, wf.stderr
+    assert (tmp_path / "wf.yml").read_text() == (ROOT / "ci" / "github" / "rebuild.yml").read_text()
+    mk = subprocess.run([exe, "markers"], cwd=elsewhere, env=env, capture_output=True, text=True)
+    assert mk.returncode == 0 and "marked regions, 0 errors" in mk.stdout, mk.stdout + mk.stderr
+    harness = subprocess.run([str(py), "-c", "from opencoti_patch.config import SHIPPED_HARNESS as h; "
+                              "print((h / 'CMakeLists.txt').is_file())"], cwd=elsewhere,
+                             capture_output=True, text=True)
+    assert harness.stdout.strip() == "True", harness.stderr

@@ -1,0 +1,179 @@
+"""The package's layers (docs/usage.md "Where a change belongs"): each folder imports only from
+the layers below it, there is no import circle, click lives only in cli/, and no source names a
+machine's absolute path.
+
+    1 base (errors, config, report, progress, safe_extract)
+    2 stack/      3 markers/ (reads the patch model of stack/)
+    4 build/      5 quality/      6 cli/
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "opencoti_patch"
+RANKS = {"": 1, "stack": 2, "markers": 3, "build": 4, "quality": 5, "cli": 6}
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, package: Path) -> set[str]:
+    """Modules of the package that ``path`` imports (relative imports resolved)."""
+    name = module_name(path, package)
+    is_pkg = path.name == "__init__.py"
+    here = name.split(".") if is_pkg else name.split(".")[:-1]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == package.name}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] != package.name:
+                continue
+            for alias in node.names:  # `from .stack import apply` imports the module stack.apply
+                sub = f"{mod}.{alias.name}"
+                out.add(sub if _exists(sub, package) else mod)
+    return out
+
+
+def _exists(module: str, package: Path) -> bool:
+    rel = Path(*module.split(".")[1:])
+    root = package / rel
+    return root.with_suffix(".py").is_file() or (root / "__init__.py").is_file()
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in RANKS) else ""
+
+
+def problems(package: Path) -> list[str]:
+    graph = {module_name(p, package): imports_of(p, package) for p in sorted(package.rglob("*.py"))}
+    found = []
+    for mod, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if RANKS[layer_of(dep)] > RANKS[layer_of(mod)]:
+                found.append(f"{mod} imports {dep} from a higher layer")
+    found += [f"import circle: {' -> '.join(c)}" for c in _circles(graph)]
+    return found
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if dep == node or dep == node.rsplit(".", 1)[0]:
+                continue  # a module's own package __init__ (empty docstrings) is not a circle
+            if state.get(dep) == 1:
+                circles.append(path[path.index(dep):] + [dep] if dep in path else [node, dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return circles
+
+
+def test_every_import_goes_down_and_there_is_no_circle() -> None:
+    assert problems(PACKAGE) == []
+
+
+def test_the_checker_catches_an_upward_import_and_a_circle(tmp_path: Path) -> None:
+    pkg = tmp_path / "opencoti_patch"
+    for sub in ("", "stack", "cli"):
+        (pkg / sub).mkdir(parents=True, exist_ok=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("from .cli import main\n")
+    (pkg / "cli" / "main.py").write_text("from ..stack.tree import Tree\n")
+    (pkg / "stack" / "tree.py").write_text("from .apply import x\n")
+    (pkg / "stack" / "apply.py").write_text("from . import tree\n")
+    found = problems(pkg)
+    assert "opencoti_patch.errors imports opencoti_patch.cli.main from a higher layer" in found
+    assert any(f.startswith("import circle:") and "opencoti_patch.stack.tree" in f for f in found)
+
+
+def test_every_folder_has_a_layer() -> None:
+    folders = {p.parent.name for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE}
+    assert folders <= set(RANKS), folders - set(RANKS)
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_click_only_in_cli_and_no_machine_paths(path: Path) -> None:
+    text = path.read_text(encoding="utf-8")
+    tree = ast.parse(text)
+    uses_click = any(
+        (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "click" for a in n.names))
+        or (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "click")
+        for n in ast.walk(tree))
+    if path.parent.name != "cli":
+        assert not uses_click, f"{path.name} imports click outside cli/"
+    assert_no_machine_path(path, text)
+
+
+MACHINE_PATHS = ("/work/", "/home/", "/root/", "/Users/")
+
+
+def assert_no_machine_path(path: Path, text: str) -> None:
+    for machine in MACHINE_PATHS:
+        assert machine not in text, f"{path.name} names a machine path ({machine}...)"
+
+
+@pytest.mark.parametrize("path", sorted(p for p in PACKAGE.parent.joinpath("tests").glob("*.py")
+                                        if p.name != "test_layers.py"), ids=lambda p: p.name)
+def test_no_machine_paths_in_tests(path: Path) -> None:
+    assert_no_machine_path(path, path.read_text(encoding="utf-8"))
+
+
+DOCS = [PACKAGE.parent / "README.md", *sorted(p for p in (PACKAGE.parent / "docs").rglob("*")
+                                              if p.suffix in (".md", ".json", ".txt"))]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_no_machine_paths_in_docs_and_results(path: Path) -> None:
+    assert_no_machine_path(path, path.read_text(encoding="utf-8"))
+
+
+def test_reports_are_written_with_portable_paths(tmp_path: Path) -> None:
+    from opencoti_patch.config import portable, write_report
+
+    root = tmp_path / "proj"
+    text = (f"tree {root}/work/llama.cpp; root {root}; model {Path.home()}/.cache/m.gguf; "
+            f"sibling {root}x/file")
+    assert portable(text, root) == f"tree work/llama.cpp; root .; model ~/.cache/m.gguf; sibling {root}x/file"
+    out = tmp_path / "r.md"
+    write_report(out, f"{root}/a", root)
+    assert out.read_text() == "a"
+
+
+def test_loadtest_runs_where_click_and_jinja2_are_missing() -> None:
+    """`python3 -m opencoti_patch.quality.loadtest` on a GPU host with only the standard library."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('click', 'jinja2', 'git', 'numpy', 'requests'):\n"
+            "            raise ImportError(name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import runpy\nsys.argv = ['loadtest', '--help']\n"
+            "runpy.run_module('opencoti_patch.quality.loadtest', run_name='__main__')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0 and "--corpus" in res.stdout, res.stderr
