@@ -137,7 +137,7 @@ def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale
     if padsub:
         s = np.concatenate([s, np.full(s.shape[:2] + (padsub,), -np.inf, s.dtype)], axis=2)
     s = s.reshape(s.shape[0], s.shape[1], nb, per_block)
-    if scorer.kind in ("lse", "mlse", "midlse"):  # estimated mass: sum over the sub-blocks and the query heads
+    if scorer.kind in ("lse", "mlse", "midlse"):  # estimated mass: sum over the sub-blocks and query heads
         return _logsumexp(_logsumexp(s, 3), 1)
     s = s.max(axis=3)  # over the sub-blocks
     return s.max(axis=1) if scorer.head_reduce == "max" else s.sum(axis=1)  # over the query heads
