@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 
 from ..build.harness import BATCH_EXE, build_harness
 from ..config import Settings, write_report
@@ -185,6 +186,80 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
     data = {"command": _command(), "layers": layer_ids, "q_last": q_last, "table": table, "texts": n_texts,
             "scorers": [s.name for s in scorer_list], "seconds": time.monotonic() - t0}
     _save(out_dir, name, "recall", data, env.meta())
+
+
+@selector_group.command("needles")
+@_common
+@click.option("--samples", default="4096:40", show_default=True,
+              help="Contexts and passkey prompts per context (CTX:COUNT,...); each is one dense prefill.")
+@click.option("--layers", required=True, help="The sparse layers to score, e.g. 5,11,17 for Gemma 3 270M.")
+@click.option("--shares", default="0.25", show_default=True, help="Attended shares of the context.")
+@click.option("--scorers", default="minmax128,mid32-sum,mean32,mean16,mean16-sum", show_default=True,
+              help="Scorers to compare (see opencoti_patch/quality/recall.py).")
+def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
+                    prose_dirs: tuple[Path, ...], seed: int, threads: int, out_dir: Path, name: str,
+                    work_dir: Path | None, samples: str, layers: str, shares: str, scorers: str) -> None:
+    """Does each scorer keep the block holding a passkey's needle, at the queries that answer it?
+
+    Passkey prompts in real prose (needle outside the sink/recent blocks, the answer teacher-forced), one
+    dense prefill each through opencoti-qk-dump; for the last 7 queries (the answer frame and digits), every
+    sparse layer: is a block holding the key digits among the kept ones. Needs the gguf package.
+    """
+    import subprocess  # noqa: PLC0415
+
+    try:
+        from gguf import GGUFReader  # noqa: PLC0415
+    except ImportError as exc:
+        raise click.ClickException("`selector needles` needs the gguf package (pip install gguf)") from exc
+
+    t0 = time.monotonic()
+    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
+    exe = env.exe(DUMP_EXE)
+    field = GGUFReader(str(env.model)).fields["tokenizer.ggml.tokens"]
+    vocab = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+    digit = {t: i for i, t in enumerate(vocab) if len(t) == 1 and t.isdigit()}
+    layer_ids = _ints(layers)
+    scorer_list = [recall.parse_scorer(s) for s in scorers.split(",") if s.strip()]
+    table: dict[str, Any] = {}
+    for n_ctx, count in _pairs(samples).items():
+        hits: dict[str, dict[str, list[float]]] = {}
+        for smp in needle.make_samples(seed, n_ctx, count, len(env.paragraphs), per_doc=1):
+            dump = env.work / f"needle-{smp.sid}-{seed}"
+            if not (dump / "tokens.npy").is_file():
+                dump.mkdir(parents=True, exist_ok=True)
+                prompt = smp.prompt(env.paragraphs, int((n_ctx - 168) * 3.8))  # ~4 characters a token
+                (dump / "text.txt").write_text(prompt + " " + smp.key + ".")
+                info(f"needles {n_ctx}: dense prefill of {smp.sid}")
+                cmd = [str(exe), "-m", str(env.model), "-f", str(dump / "text.txt"), "--layers", layers,
+                       "--q-last", "12", "-t", str(threads), "-o", str(dump)]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise click.ClickException(f"{exe.name} failed: {proc.stderr.strip().splitlines()[-1:]}")
+            tokens = [int(t) for t in np.load(dump / "tokens.npy")]
+            key = [digit[c] for c in smp.key]
+            at = next((i for i in range(len(tokens) - 20) if tokens[i:i + len(key)] == key), None)
+            if at is None:
+                raise click.ClickException(f"{smp.sid}: the key's digits are not in the prompt's tokens")
+            blocks = {at // needle.BLOCK, (at + len(key) - 1) // needle.BLOCK}
+            positions = np.arange(len(tokens) - 7, len(tokens))
+            bud = recall.budget_for(len(tokens), _floats(shares)[0], needle.BLOCK, needle.SINK, needle.RECENT)
+            for layer in layer_ids:
+                q, k = recall.load_dump(dump, layer)
+                sc = 1.0 / math.sqrt(k.shape[2])
+                gqa = q.shape[1] // k.shape[1]
+                for h in range(k.shape[1]):
+                    res = recall.needle_kept(q[-7:, h * gqa:(h + 1) * gqa], k[:, h], positions, blocks,
+                                             scale=sc, block=needle.BLOCK, budget=bud, scorers=scorer_list)
+                    for sname, v in res.items():
+                        hits.setdefault(sname, {}).setdefault(str(layer), []).append(float(sum(v)) / len(v))
+        table[str(n_ctx)] = {
+            sname: {"all": float(np.mean([v for x in per.values() for v in x])),
+                    **{f"layer {lay}": float(np.mean(x)) for lay, x in per.items()}}
+            for sname, per in hits.items()}
+        info(f"needles {n_ctx}: done")
+    data = {"command": _command(), "layers": layer_ids, "samples": _pairs(samples),
+            "share": _floats(shares)[0], "table": table, "seconds": time.monotonic() - t0}
+    _save(out_dir, name, "needles", data, env.meta())
 
 
 @selector_group.command("passkey")

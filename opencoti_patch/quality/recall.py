@@ -266,3 +266,24 @@ def aggregate(per_layer: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[
                 acc["selected"].append(v["selected"][name]["mean"])
     return {share: {name: {k: float(np.mean(x)) for k, x in acc.items()} for name, acc in row.items()}
             for share, row in out.items()}
+
+
+def needle_kept(q: np.ndarray, k: np.ndarray, positions: np.ndarray, needle_blocks: set[int], *,
+                scale: float, block: int, budget: Budget, scorers: Sequence[Scorer]) -> dict[str, list[bool]]:
+    """Per query (at ``positions``) of one KV head's group: does each scorer (and the oracle by true mass, and
+    the window) keep a block holding the needle? q [N, G, D] and k [T, D] of one KV head."""
+    kc = f16(k)
+    ranks = {s.name: block_scores(q, kc, s, block, scale) for s in scorers}
+    ranks["oracle"] = block_mass(q, kc, positions, scale, block)
+    out: dict[str, list[bool]] = {name: [] for name in [*ranks, "window"]}
+    for n, t in enumerate(positions):
+        nv = int(t) // block + 1
+        fixed = set(range(budget.sink_blocks)) | set(range(max(0, nv - budget.recent_blocks), nv))
+        cand = [b for b in range(nv) if b not in fixed]
+        for name, r in ranks.items():
+            top = sorted(cand, key=lambda b, r=r, n=n: (-r[n, b], b))[:budget.top_k]
+            out[name].append(bool(needle_blocks & (fixed | set(top))))
+        n_last = budget.blocks - budget.sink_blocks
+        window = set(range(budget.sink_blocks)) | set(range(max(0, nv - n_last), nv))
+        out["window"].append(bool(needle_blocks & window))
+    return out
