@@ -111,3 +111,13 @@ def test_needle_prompt_and_variants() -> None:
     # 12.5% of 4K is only the sink + recent blocks: no top-k, not run
     assert [v.name for v in needle.variants_for(4096, [0.25, 0.125], [2048])] == ["dense", "sparse-25%",
                                                                                   "window-25%"]
+
+
+def test_needle_kept_sees_the_needle_block_and_the_window_does_not() -> None:
+    q, k = _needle_case(3)
+    positions = np.arange(k.shape[0] - q.shape[0], k.shape[0])
+    bud = recall.budget_for(k.shape[0], 0.25, 128)
+    res = recall.needle_kept(q, k[:, 0, :], positions, {10}, scale=0.5, block=128, budget=bud,
+                             scorers=[recall.parse_scorer("mean16")])
+    assert all(res["mean16"]) and all(res["oracle"])
+    assert not any(res["window"])  # block 10 of 32 is far from the recent blocks
