@@ -121,3 +121,12 @@ def test_needle_kept_sees_the_needle_block_and_the_window_does_not() -> None:
                              scorers=[recall.parse_scorer("mean16")])
     assert all(res["mean16"]) and all(res["oracle"])
     assert not any(res["window"])  # block 10 of 32 is far from the recent blocks
+
+
+def test_report_command_hides_machine_paths() -> None:
+    from opencoti_patch.cli.selector import _command
+
+    cmd = _command(["selector", "needles", "--build", "/home/me/b", "--samples", "4096:16", "--prose=/usr/x",
+                    "--layers", "5,11,17"])
+    assert cmd == ("opencoti-patch selector needles --build <cpu-build> --samples 4096:16 --prose=<docs-dir> "
+                   "--layers 5,11,17")

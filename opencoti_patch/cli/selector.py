@@ -105,8 +105,25 @@ class _Env:
                 "sink": needle.SINK, "recent": needle.RECENT}
 
 
-def _command() -> str:
-    return "opencoti-patch " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+# path options shown as placeholders in reports: the paths of the machine a report was made on mean nothing to
+# its reader
+_PATH_OPTIONS = {"--build": "<cpu-build>", "--llama-src": "<tree>", "--model": "<model.gguf>",
+                 "--work-dir": "<scratch>", "--prose": "<docs-dir>", "--out-dir": "<out-dir>"}
+
+
+def _command(argv: list[str] | None = None) -> str:
+    """The command line of this run for the report, with its path options as placeholders."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    out: list[str] = []
+    for i, a in enumerate(args):
+        name, eq, _ = a.partition("=")
+        if eq and name in _PATH_OPTIONS:
+            out.append(f"{name}={_PATH_OPTIONS[name]}")
+        elif i > 0 and args[i - 1] in _PATH_OPTIONS:
+            out.append(_PATH_OPTIONS[args[i - 1]])
+        else:
+            out.append(shlex.quote(a))
+    return "opencoti-patch " + " ".join(out)
 
 
 def _save(out_dir: Path, name: str, part: str, data: dict[str, Any], meta: dict[str, Any]) -> None:
@@ -116,7 +133,7 @@ def _save(out_dir: Path, name: str, part: str, data: dict[str, Any], meta: dict[
     merged |= meta
     merged[part] = data
     write_report(path, json.dumps(merged, indent=1, sort_keys=True) + "\n")
-    context = {"recall": None, "passkey": None, "fidelity": None, **merged}
+    context = {"recall": None, "passkey": None, "fidelity": None, "needles": None, **merged}
     write_report(out_dir / f"{name}.md", render(Settings.resolve().templates_dirs, "quality-selector.md.j2",
                                                 **context))
     info(f"wrote {path} and {path.with_suffix('.md')}")
