@@ -79,10 +79,13 @@ def build_harness(llama_src: Path, llama_bin: Path, build_dir: Path, jobs: int =
     src = harness_source()
     if not (src / "CMakeLists.txt").is_file():
         raise OpencotiError(f"harness sources not found at {src}")
+    from .build import find_tool  # noqa: PLC0415 (the PyPI cmake: CI has no system cmake on PATH)
+
+    cmake = find_tool("cmake")
     cmds = [
-        ["cmake", "-S", str(src), "-B", str(build_dir), f"-DLLAMA_SRC={llama_src}",
+        [cmake, "-S", str(src), "-B", str(build_dir), f"-DLLAMA_SRC={llama_src}",
          f"-DLLAMA_BIN={llama_bin}", "-DCMAKE_BUILD_TYPE=Release"],
-        ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", BATCH_EXE],
+        [cmake, "--build", str(build_dir), "-j", str(jobs), "--target", BATCH_EXE],
     ]
     for cmd in cmds:
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,6 @@ from opencoti_patch.cli import cli
 from opencoti_patch.markers import (
     AuditReport,
     audit,
-    diff_patch,
     fix_lines,
     fix_tree,
     scan_markers,
@@ -441,31 +438,6 @@ def test_cli_diff_option(series: Series, tmp_path: Path) -> None:
     assert res.exit_code == 1 and "src/a.c:10: unmarked change (patch wip.diff)" in res.output
     res = CliRunner().invoke(cli, ["markers", "--diff", str(diff), "--feature", F])
     assert res.exit_code == 0 and "warning: src/a.c:10: cannot verify" in res.output
-
-
-# ------------------------------------------------------------------ real tree
-
-
-def _real_tree() -> Path | None:
-    env = os.environ.get("OPENCOTI_TREE")
-    path = Path(env) if env else Path("/work/tree/llama.cpp")
-    return path if (path / ".git").exists() else None
-
-
-@pytest.mark.realtree
-@pytest.mark.skipif(_real_tree() is None, reason="no development tree (set OPENCOTI_TREE)")
-def test_real_tree_diff_parses() -> None:
-    tree = _real_tree()
-    assert tree is not None
-    diff = subprocess.run(["git", "-C", str(tree), "diff", "upstream"], capture_output=True,
-                          check=True).stdout
-    if not diff.strip():
-        pytest.skip("no changes against upstream")
-    patch = diff_patch(diff, "wip.diff", F)
-    for where in (None, tree):
-        report = audit([patch], where)
-        assert isinstance(report.issues, list) and isinstance(report.regions, list)
-        json.dumps(report.to_dict())
 
 
 def test_fix_deletion_after_region_end_and_change_on_last_line(series: Series) -> None:
