@@ -241,7 +241,7 @@ def eval_harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 def test_eval_select_all_equals_dense_and_sparse_is_active(eval_harness: ev.Harness, tmp_path: Path) -> None:
     """The fidelity plumbing on the real model: select-all bitwise equal to dense, the sparse path runs."""
     fid = ev.run_fidelity(eval_harness, docs_dir=ROOT / "docs", contexts=[1024], steps=16, fractions=[0.25],
-                          accounting="exclusive", work_dir=tmp_path, show_progress=False)
+                          accounting="exclusive", work_dir=tmp_path, gate_fraction=0.25, show_progress=False)
     ev.check_select_all(fid)
     by = {r["config"]: r for r in fid["runs"]}
     assert by["select-all"]["select_nodes_per_step"] > 0 and by["sparse-25%"]["select_nodes_per_step"] > 0
