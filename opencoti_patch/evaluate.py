@@ -224,18 +224,24 @@ class Harness:
             err_path = (self.log_dir or Path(tmp)) / f"{_slug(label)}.stderr.log"
             err_path.parent.mkdir(parents=True, exist_ok=True)
             results: list[dict[str, Any]] = []
+            stray: list[str] = []  # not JSON: e.g. a crash handler's backtrace on stdout
             with err_path.open("w") as err, subprocess.Popen(
                     cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env()) as proc:
                 assert proc.stdout is not None
                 for line in proc.stdout:
-                    if line.strip():
+                    if not line.strip():
+                        continue
+                    try:
                         results.append(json.loads(line))
-                        if on_result is not None:
-                            on_result(results[-1])
+                    except ValueError:
+                        stray.append(line.rstrip())
+                        continue
+                    if on_result is not None:
+                        on_result(results[-1])
                 rc = proc.wait()
             log = err_path.read_text(errors="replace")
-        if rc != 0 or len(results) != len(requests):
-            tail = "\n".join(log.splitlines()[-15:])
+        if rc != 0 or stray or len(results) != len(requests):
+            tail = "\n".join(log.splitlines()[-15:] + stray[-10:])
             raise OpencotiError(f"{label}: harness exited {rc} after {len(results)}/{len(requests)} "
                                 f"requests\n  {' '.join(cmd)}\n{tail}")
         _check_sparse_active(results, cfg, label)
