@@ -417,6 +417,16 @@ def test_a_failing_harness_reports_its_stderr(tmp_path: Path) -> None:
         h.run([{"id": "x", "text": "t"}], 512, ev.DENSE, "x")
 
 
+def test_a_crash_backtrace_on_stdout_is_reported(tmp_path: Path) -> None:
+    exe = tmp_path / "crash"
+    exe.write_text("#!/bin/sh\necho '[Thread debugging using libthread_db enabled]'\necho 'GGML_ASSERT' >&2\n"
+                   "exit 134\n")
+    exe.chmod(0o755)
+    h = ev.Harness(exe=exe, model=tmp_path / "m.gguf")
+    with pytest.raises(OpencotiError, match="(?s)exited 134.*GGML_ASSERT.*Thread debugging"):
+        h.run([{"id": "x", "text": "t"}], 512, ev.DENSE, "x")
+
+
 def test_llama_arg_env_does_not_leak_into_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLAMA_ARG_SPARSE_ATTN", "on")
     monkeypatch.setenv("OTHER", "1")
