@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import array
 import json
+import shutil
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -228,3 +230,40 @@ def test_pipeline_skip_repro_is_incomplete(fake_pipeline: ident.VerifyConfig, tm
     data = _verify(replace(fake_pipeline, repro=False), tmp_path)
     assert data["verdict"] == "INCOMPLETE"
     assert data["not_checked"] == ["reproducibility: same tree built twice"]
+
+
+# ------------------------------------------------------------ object files of a real (tiny) ninja build
+
+
+def _tiny_build(tmp: Path, label: str, header: str, helper: str) -> b.BuildResult:
+    src, build = tmp / label / "src", tmp / label / "build"
+    src.mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("cmake_minimum_required(VERSION 3.16)\nproject(tiny C)\n"
+                                        "add_library(tiny SHARED uses.c alone.c)\n")
+    (src / "h.h").write_text(header)
+    (src / "uses.c").write_text('#include "h.h"\nint uses(void) { return H_VALUE; }\n')
+    (src / "alone.c").write_text(helper)
+    cmake, ninja = b.find_tool("cmake"), b.find_tool("ninja")
+    for cmd in ([cmake, "-S", str(src), "-B", str(build), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
+                 "-DCMAKE_BUILD_TYPE=Release"], [ninja, "-C", str(build)]):
+        subprocess.run(cmd, check=True, capture_output=True)
+    opts = b.BuildOptions(targets=("tiny",))
+    return b.BuildResult(label, src, build, build / "log", opts, ["tiny"], [], 1.0)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_object_infos_on_a_real_ninja_build(tmp_path: Path) -> None:
+    alone = "int alone(int x) { return x * 3; }\n"
+    a = _tiny_build(tmp_path, "a", "#define H_VALUE 1\n", alone)
+    q = _tiny_build(tmp_path, "q", "#define H_VALUE 2\n", alone)
+    ia, iq = ident.object_infos(a), ident.object_infos(q)
+    uses = next(k for k in ia if k.endswith("uses.c.o"))
+    assert ia[uses].source == "uses.c" and "h.h" in ia[uses].deps
+    assert ia[uses].command == iq[uses].command and "<src>" in ia[uses].command  # paths normalized
+    cmp = ident.compare_objects(ia, iq, ["h.h"])
+    assert [k.endswith("alone.c.o") for k in cmp.independent] == [True] and list(cmp.header_differs) == [uses]
+    assert ident.check_objects(cmp).passed is True
+    # an object that reads no changed file but differs (a different compiler output): FAIL
+    bad = _tiny_build(tmp_path, "bad", "#define H_VALUE 2\n", "int alone(int x) { return x * 5; }\n")
+    cmp = ident.compare_objects(ia, ident.object_infos(bad), ["h.h"])
+    assert len(cmp.unexpected) == 1 and ident.check_objects(cmp).passed is False
