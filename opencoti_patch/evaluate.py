@@ -640,7 +640,7 @@ def passkey_requests(group: Sequence[PasskeySample], n_generate: int,
 
 def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractions: Sequence[float],
                 accounting: str, n_generate: int = 8, jobs: int = 2, reuse: bool = True,
-                show_progress: bool = True) -> dict[str, Any]:
+                gate_fraction: float = 0.5, show_progress: bool = True) -> dict[str, Any]:
     t_start = time.monotonic()
     fit = calibrate_tokens(harness)
     samples = passkey_samples(seed, per_ctx, fit)
@@ -667,7 +667,7 @@ def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractio
             raw.setdefault(cfg.name, {})[r["id"]] = {k: r.get(k) for k in ("n_tokens", "text", "select_nodes",
                                                                              "decode_steps", "reused")}
     n_tokens = {sid: int(r["n_tokens"]) for sid, r in raw["dense"].items()}
-    summary = passkey_summary(samples, answers, configs, n_tokens)
+    summary = passkey_summary(samples, answers, configs, n_tokens, gate_fraction=gate_fraction)
     for d in summary["disagreements"]:  # what each config actually generated there
         d["texts"] = {name: raw[name][d["sid"]]["text"] for name in raw if d["sid"] in raw[name]}
     prompt_tokens = {n: sorted(raw["dense"][s.sid]["n_tokens"] for s in samples if s.n_ctx == n)

@@ -214,7 +214,7 @@ def test_sparse_attn_cpu_selfchecks(selfcheck: b.BuildResult) -> None:
                         timeout=1800)
     log = kv.stdout + kv.stderr
     cases = re.findall(r"^((?:llama|gemma3-iswa) hd=\d+ K=\S+ kv-\S+)\s+(OK|FAILED)", log, re.M)
-    assert kv.returncode == 0 and log.rstrip().endswith("all OK"), log[-4000:]
+    assert kv.returncode == 0 and kv.stdout.rstrip().endswith("all OK"), log[-4000:]
     assert len(cases) == KV_CASES and len({n for n, _ in cases}) == KV_CASES, cases
     assert all(r == "OK" for _, r in cases), cases
 
@@ -249,11 +249,15 @@ def test_eval_select_all_equals_dense_and_sparse_is_active(eval_harness: ev.Harn
 
 
 @needs_eval_build
+@pytest.mark.xfail(strict=True, reason="the window baseline keeps one score-selected block (the C++ side "
+                   "refuses --sparse-attn-topk 0), which finds a single needle as well as the selector does: "
+                   "measured 3/3 vs 3/3. Remove this mark once top-k 0 (a pure sink + recent window) exists.")
 def test_eval_passkey_gate_on_the_real_model(eval_harness: ev.Harness) -> None:
-    """A small passkey gate end to end: dense good on the gated needles, reported apart where always kept;
-    the gate verdict itself is the eval's business (a failure here is a finding, not flakiness: seeded)."""
+    """A small passkey gate end to end on the real model: dense good on the gated needles, the always-kept
+    ones reported apart, the selector strictly ahead of the window baseline (seeded: a failure is a
+    finding, not flakiness)."""
     out = ev.run_passkey(eval_harness, seed=7, per_ctx={2048: 5}, fractions=[0.25], accounting="exclusive",
-                         show_progress=False)
+                         gate_fraction=0.25, show_progress=False)
     gate = out["summary"]["gate"]
     g = gate["checks"][0]
     assert g["n"] >= 1 and g["n_kept"] >= 1 and g["window"] == "window-25%", g
