@@ -25,6 +25,7 @@ class Faults:
     status_500_calls: set[int] = field(default_factory=set)  # 1-based completion calls answered 500
     bad_json_chunk: bool = False  # the 2nd SSE chunk of every stream is not JSON
     leak: bool = False  # outputs carry the previous request's marker (text fed back to another request)
+    no_echo: bool = False  # outputs never repeat their own marker (what a model does not asked for it)
     nondeterministic: bool = False  # outputs depend on a call counter
     salt: str = ""  # changes every output (a "different model")
     health_503: int = 0  # the first N /health calls answer 503 (loading)
@@ -60,8 +61,8 @@ class FakeLlamaServer:
         if self.faults.nondeterministic:
             h = hashlib.sha256(f"{h}{call}".encode()).hexdigest()
         out = [f" w{h[2 * i : 2 * i + 2]}" for i in range(n)]
-        if own:
-            out[0] = f" {own[0]}"  # a model may copy its own document id: allowed
+        if own and not self.faults.no_echo:
+            out[0] = f" {own[0]}"  # the prompt asks for its document id again: a model copies it
         with self.lock:
             prev, self.last_marker = self.last_marker, (own[0] if own else "")
         if self.faults.leak and prev and n > 1:

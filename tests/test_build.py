@@ -297,16 +297,18 @@ def _run(label: str, kv: str, tmp: Path, sha: str, nodes: int = 130,
     log.write_text(LOG.replace("nodes = 134", graph))
     dump = tmp / f"{label}.f32"
     dump.write_bytes(b"\0" * 16)
-    summary = {"rows": 2, "n_vocab": 2, "decode_tokens": [1], "state_size": 10,
+    summary = {"rows": 2, "n_vocab": 2, "n_decode": 1, "n_prompt": 4, "decode_tokens": [1], "state_size": 10,
                "nodes": {"prefill": 1, "decode_min": nodes, "decode_max": nodes}}
     return ident.HarnessRun(label, kv, 0, log, dump, sha, summary, ident.parse_log_facts(log.read_text()))
 
 
 def test_check_behaviour(tmp_path: Path) -> None:
-    ok = ident.check_behaviour("f16", _run("p", "f16", tmp_path, "aa"), _run("q", "f16", tmp_path, "aa"), 2)
+    shape = {"prompt_tokens": 4, "decode": 1}
+    ok = ident.check_behaviour("f16", _run("p", "f16", tmp_path, "aa"), _run("q", "f16", tmp_path, "aa"), 2,
+                               **shape)
     assert ok.passed, ok.evidence
     bad = ident.check_behaviour("f16", _run("p", "f16", tmp_path, "aa"),
-                                _run("q", "f16", tmp_path, "bb", nodes=131, graph="nodes = 140"), 2)
+                                _run("q", "f16", tmp_path, "bb", nodes=131, graph="nodes = 140"), 2, **shape)
     assert not bad.passed
     assert "logits sha256" in bad.summary and "nodes computed" in bad.summary and "graph" in bad.summary
 
@@ -362,7 +364,7 @@ def test_manifest_and_install(tmp_path: Path) -> None:
 def test_report_rendering(tmp_path: Path) -> None:
     checks = [ident.Check("same tree built twice", "reproducibility", True, "ok", ["a == a"]),
               ident.Check("feature off, KV f16", "behaviour", False, "differs: logits sha256", ["x != y"]),
-              ident.Check("skipped one", "reproducibility", None, "skipped")]
+              ident.Check("skipped one", "reproducibility", None, "not checked")]
     meta = {"pristine": "upstream of /t", "patched": "files of /t", "targets": ["llama"],
             "cpu_variant": "haswell", "cuda": False, "kv_types": ["f16"], "prompt_tokens": 2048,
             "decode": 64, "seed": 42, "threads": 2, "patched_args": [],
@@ -370,11 +372,13 @@ def test_report_rendering(tmp_path: Path) -> None:
     js, md, data = ident.render_report(checks, meta, tmp_path, TEMPLATES)
     assert data["verdict"] == "FAIL"
     text = md.read_text()
-    assert text.startswith("# verify-identical: FAIL") and "**FAIL**" in text and "**skipped**" in text
+    assert text.startswith("# verify-identical: FAIL") and "**FAIL**" in text and "**not checked**" in text
     assert json.loads(js.read_text())["checks"][1]["status"] == "FAIL"
     with pytest.raises(CheckFailed, match="feature off"):
         ident.raise_on_failure(data)
-    _, _, good = ident.render_report(checks[:1], meta, tmp_path, TEMPLATES)
+    required = [ident.Check(n, st, True, "ok") for n, st in
+                (("build pristine", "build"), ("patched differs", "sources"), ("feature off", "behaviour"))]
+    _, _, good = ident.render_report(checks[:1] + required, meta, tmp_path, TEMPLATES)
     assert good["verdict"] == "PASS"
     ident.raise_on_failure(good)
 

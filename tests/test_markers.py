@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from opencoti_patch.cli import cli
-from opencoti_patch.config import Settings
-from opencoti_patch.markers.audit import AuditReport, audit, diff_patch
+from opencoti_patch.markers.audit import AuditReport, audit
 from opencoti_patch.markers.fix import fix_lines, fix_tree
 from opencoti_patch.markers.lexers import unsafe_insert_points
 from opencoti_patch.markers.syntax import scan_markers
@@ -437,35 +434,6 @@ def test_cli_diff_option(series: Series, tmp_path: Path) -> None:
     assert res.exit_code == 4 and "src/a.c:10: unmarked change (patch wip.diff)" in res.output
     res = CliRunner().invoke(cli, ["markers", "--diff", str(diff), "--feature", F])
     assert res.exit_code == 0 and "warning: src/a.c:10: cannot verify" in res.output
-
-
-# ------------------------------------------------------------------ real tree
-
-
-def _real_tree() -> Path | None:
-    env = os.environ.get("OPENCOTI_TREE")
-    path = Path(env) if env else Settings.resolve().tree
-    return path if (path / ".git").exists() else None
-
-
-@pytest.mark.realtree
-@pytest.mark.skipif(_real_tree() is None, reason="no development tree (set OPENCOTI_TREE)")
-def test_real_tree_diff_parses() -> None:
-    tree = _real_tree()
-    assert tree is not None
-    tags = subprocess.run(["git", "-C", str(tree), "tag", "--list", "upstream", "upstream/*"],
-                          capture_output=True, text=True, check=True).stdout.split()
-    if not tags:
-        pytest.skip("no upstream tag in the tree")
-    diff = subprocess.run(["git", "-C", str(tree), "diff", tags[0]], capture_output=True,
-                          check=True).stdout
-    if not diff.strip():
-        pytest.skip("no changes against upstream")
-    patch = diff_patch(diff, "wip.diff", F)
-    for where in (None, tree):
-        report = audit([patch], where)
-        assert isinstance(report.issues, list) and isinstance(report.regions, list)
-        json.dumps(report.to_dict())
 
 
 def test_fix_deletion_after_region_end_and_change_on_last_line(series: Series) -> None:

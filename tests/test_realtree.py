@@ -16,6 +16,9 @@ import pytest
 from click.testing import CliRunner
 from stackutil import Project
 
+from opencoti_patch.markers import audit
+from opencoti_patch.series import load_series
+
 pytestmark = pytest.mark.realtree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,6 +68,26 @@ def test_real_markers_audit(prepared: Project) -> None:
     if not (prepared.patches / "series").is_file():
         pytest.skip("the series is empty")
     prepared.run("markers", "--patches-dir", str(prepared.patches), "--tree", str(prepared.tree))
+
+
+def test_real_markers_audit_fails_on_a_removed_marker(prepared: Project, tmp_path: Path) -> None:
+    """The exact (tree) audit of the real series: clean on the applied tree, and it reports a region whose
+    begin marker is gone (a copy of the touched files; the shared tree stays as it is)."""
+    patches = load_series(prepared.patches)
+    touched = sorted(set().union(*(p.paths for p in patches)))
+    for rel in touched:
+        if (prepared.tree / rel).is_file():
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(prepared.tree / rel, tmp_path / rel)
+    clean = audit(patches, tmp_path)
+    assert clean.issues == [] and len(clean.regions) >= 10
+    victim = tmp_path / clean.regions[0].path
+    lines = victim.read_text().splitlines(keepends=True)
+    lines[clean.regions[0].begin - 1] = "// (marker removed)\n"
+    victim.write_text("".join(lines))
+    broken = audit(patches, tmp_path)
+    assert any(i.path == clean.regions[0].path for i in broken.issues), broken.issues
+    assert len(broken.regions) == len(clean.regions) - 1
 
 
 def test_real_unapply_restores_pristine(prepared: Project) -> None:

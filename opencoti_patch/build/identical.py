@@ -1,19 +1,28 @@
 """verify-identical: prove the patch series is default-off, by building pristine and patched trees.
 
-Checks (each pass/fail with evidence, rendered as markdown + JSON):
+Checks (each pass, FAIL or "not checked" with evidence, rendered as markdown + JSON):
 
+0. sources - the patched tree differs from pristine, by every patch that should be in it (else the
+   run would compare pristine with itself).
 1. reproducibility - the pristine tree built a second time, in a fresh build dir at another path
    and with ccache disabled (a ccache hit would only replay the first build's objects, proving
    nothing about the compiler), gives the same bytes for every DSO/tool.
 2. binaries - every DSO/tool of the pristine and patched builds compared byte for byte; a file that
    differs must be fed by a changed source (directory rules in :func:`affected_artifacts`), and is
-   listed with the patches that touch those sources. An unexpected difference fails.
+   listed with the patches that touch those sources. An unexpected difference fails. When a changed
+   file feeds every artifact (a ggml header does), no difference can be unexpected: "not checked".
+   Object files: every object that reads no changed file (ninja's depfile record) and is compiled with
+   the same command must be byte-identical; "not checked" when there is no such object.
 3. behaviour - per KV cache type, ``harness/opencoti-harness`` built against each build runs a
    deterministic random prompt (prefill) and single-token decode steps on a small random-weight
    llama GGUF with flash attention on; the float32 logits of every decode step must be bitwise
    identical (sha256 of the dump), and so must the graph (node/split counts of the pp and tg
    reservation graphs from the log, and the nodes actually computed per decode step), the KV and
-   compute buffer sizes and the serialized state size.
+   compute buffer sizes and the serialized state size. Both runs must have written a dump of
+   1 + decode rows of n_vocab floats from the requested prompt, else nothing was compared: FAIL.
+
+Verdict: FAIL when a check failed or no sources, build or behaviour check passed; INCOMPLETE when a
+check proved nothing ("not checked"); PASS only when every check ran and passed.
 """
 
 from __future__ import annotations
@@ -178,14 +187,14 @@ def first_difference(a: Path, b: Path, n_vocab: int) -> str:
 @dataclass
 class Check:
     name: str
-    stage: str  # "build", "reproducibility", "binaries", "behaviour"
-    passed: bool | None  # None = skipped
+    stage: str  # "build", "sources", "reproducibility", "binaries", "behaviour"
+    passed: bool | None  # None = not checked (skipped, or nothing it could prove)
     summary: str
     evidence: list[str] = field(default_factory=list)
 
     @property
     def status(self) -> str:
-        return "skipped" if self.passed is None else ("pass" if self.passed else "FAIL")
+        return "not checked" if self.passed is None else ("pass" if self.passed else "FAIL")
 
 
 @dataclass
@@ -295,6 +304,145 @@ def compare_builds(a: BuildResult, b: BuildResult) -> tuple[dict[str, str], dict
     return ha, hb, diff
 
 
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One compiled object of a build: its bytes, what it was compiled from, and how."""
+
+    sha256: str
+    source: str  # the translation unit, relative to the source tree ("" when outside it)
+    deps: frozenset[str]  # every file the compiler read (ninja's depfile record), relative to the tree
+    command: str  # the compile command with the tree and build paths replaced, ccache dropped
+
+
+def _tree_relative(path: str, src: Path, build: Path) -> str | None:
+    p = Path(path) if Path(path).is_absolute() else build / path
+    try:
+        return p.resolve().relative_to(src.resolve()).as_posix()
+    except ValueError:
+        return None
+
+
+def parse_ninja_deps(text: str, src: Path, build: Path) -> dict[str, frozenset[str]]:
+    """``ninja -t deps`` output -> object (relative to the build) -> its dependencies inside the tree."""
+    out: dict[str, set[str]] = {}
+    current: set[str] | None = None
+    for line in text.splitlines():
+        if not line.strip():
+            current = None
+        elif not line[0].isspace() and ": #deps" in line:
+            current = out.setdefault(line.split(": #deps", 1)[0], set())
+        elif current is not None:
+            rel = _tree_relative(line.strip(), src, build)
+            if rel is not None:
+                current.add(rel)
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+def _normalize_command(command: str, src: Path, build: Path) -> str:
+    words = command.split()
+    if words and Path(words[0]).name == "ccache":
+        words = words[1:]
+    text = " ".join(words)
+    for path, tag in ((str(src.resolve()), "<src>"), (str(build.resolve()), "<build>")):
+        text = text.replace(path, tag)
+    return text
+
+
+def object_infos(res: BuildResult) -> dict[str, ObjectInfo]:
+    """Every ``*.o`` of a ninja build with its depfile record and compile command."""
+    ninja = find_tool("ninja")
+
+    def tool(name: str) -> str:
+        out = subprocess.run([ninja, "-C", str(res.build), "-t", name], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise OpencotiError(f"ninja -t {name} in {res.build} failed: {out.stderr.strip()}")
+        return out.stdout
+
+    deps = parse_ninja_deps(tool("deps"), res.src, res.build)
+    commands = {e["output"]: e for e in json.loads(tool("compdb")) if e.get("output", "").endswith(".o")}
+    out: dict[str, ObjectInfo] = {}
+    for rel, entry in commands.items():
+        obj = res.build / rel
+        if not obj.is_file():
+            continue  # not a target of this build
+        source = _tree_relative(entry.get("file", ""), res.src, res.build) or ""
+        out[rel] = ObjectInfo(sha256_file(obj), source, deps.get(rel, frozenset({source}) - {""}),
+                              _normalize_command(entry.get("command", ""), res.src, res.build))
+    return out
+
+
+@dataclass
+class ObjectComparison:
+    independent: list[str] = field(default_factory=list)  # no changed input, same command: identical
+    unexpected: list[str] = field(default_factory=list)  # no changed input, same command: differs
+    header_same: list[str] = field(default_factory=list)  # reads a changed header, still identical
+    header_differs: dict[str, list[str]] = field(default_factory=dict)  # -> the changed headers it reads
+    source_changed: list[str] = field(default_factory=list)  # own source or command changed, or one side
+
+
+def compare_objects(a: dict[str, ObjectInfo], b: dict[str, ObjectInfo],
+                    changed: Iterable[str]) -> ObjectComparison:
+    """Sort the objects of two builds by what may explain a difference (pure: testable on its own)."""
+    changed_set = set(changed)
+    cmp = ObjectComparison()
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if x is None or y is None:
+            cmp.source_changed.append(key)
+            continue
+        if x.source in changed_set or x.command != y.command:
+            cmp.source_changed.append(key)
+            continue
+        fed_by = sorted((x.deps | y.deps) & changed_set)
+        same = x.sha256 == y.sha256
+        if not fed_by:
+            (cmp.independent if same else cmp.unexpected).append(key)
+        elif same:
+            cmp.header_same.append(key)
+        else:
+            cmp.header_differs[key] = fed_by
+    return cmp
+
+
+def check_objects(cmp: ObjectComparison) -> Check:
+    """Object files: those that read no changed file, compiled the same way, must be byte-identical.
+
+    Passes only when there is at least one such object (else nothing was compared: "not checked")."""
+    n_header = len(cmp.header_same) + len(cmp.header_differs)
+    ev = [f"objects reading no changed file: {len(cmp.independent) + len(cmp.unexpected)} "
+          f"({len(cmp.unexpected)} differ)",
+          f"objects whose own source or compile command changed (or on one side only): "
+          f"{len(cmp.source_changed)}",
+          f"objects reading a changed header: {n_header} ({len(cmp.header_same)} still identical, "
+          f"{len(cmp.header_differs)} differ; not a check: a header change may change their code)"]
+    ev += [f"UNEXPECTED: {k} differs and reads no changed file" for k in cmp.unexpected]
+    ev += [f"differs via header: {k} <- {', '.join(h)}" for k, h in sorted(cmp.header_differs.items())]
+    name = "objects of untouched translation units"
+    if cmp.unexpected:
+        return Check(name, "binaries", False, f"{len(cmp.unexpected)} object(s) differ though they read "
+                     f"no changed file: {', '.join(cmp.unexpected[:5])}", ev)
+    if not cmp.independent:
+        return Check(name, "binaries", None, "not checked: every object reads a changed file or was compiled "
+                     f"differently ({len(cmp.header_same)} of {n_header} header-fed objects identical)", ev)
+    return Check(name, "binaries", True, f"{len(cmp.independent)} objects that read no changed file are "
+                 f"byte-identical ({len(cmp.header_same)} of {n_header} header-fed objects too)", ev)
+
+
+def check_patched_differs(changed: Sequence[str], required: dict[str, list[str]]) -> Check:
+    """The patched tree must differ from pristine, and by every patch that should be in it: comparing
+    pristine with itself (the series not applied) proves nothing."""
+    name = "patched differs from pristine"
+    ev = [f"changed sources: {len(changed)}"]
+    if not changed:
+        return Check(name, "sources", False, "patched tree is identical to pristine: nothing to compare", ev)
+    changed_set = set(changed)
+    absent = [p for p, files in required.items() if files and not changed_set & set(files)]
+    ev += [f"{p}: {len(changed_set & set(f))} of {len(f)} files changed" for p, f in required.items()]
+    if absent:
+        return Check(name, "sources", False, f"not applied to the patched tree: {', '.join(absent)}", ev)
+    return Check(name, "sources", True, f"{len(changed)} files differ; every patch is present", ev)
+
+
 def check_repro(first: BuildResult, second: BuildResult) -> Check:
     ha, hb, diff = compare_builds(first, second)
     ev = [f"{first.build} (ccache {'on' if first.options.ccache else 'off'}) vs {second.build} "
@@ -319,13 +467,47 @@ def check_binaries(pristine: BuildResult, patched: BuildResult, changed: Sequenc
     for k in diff:
         tag = "UNEXPECTED" if k in unexpected else "expected"
         ev.append(f"differs ({tag}): {k} <- {', '.join(who.get(k) or ['(no patch maps to it)'])}")
-    ok = not unexpected
-    summary = (f"{len(avail) - len(diff)} identical, {len(diff)} differ, all fed by changed sources" if ok
-               else f"unexpected difference in {', '.join(unexpected)}")
-    return Check("pristine vs patched binaries", "binaries", ok, summary, ev)
+    name = "pristine vs patched binaries"
+    if not avail:
+        return Check(name, "binaries", False, "no artifacts found in either build", ev)
+    if unexpected:
+        return Check(name, "binaries", False, f"unexpected difference in {', '.join(unexpected)}", ev)
+    everywhere = [f for f in changed if affected_artifacts(f, avail) >= avail]
+    if everywhere:
+        # every library may differ, so no difference can be unexpected: the comparison proves nothing
+        return Check(name, "binaries", None,
+                     f"not checked: {', '.join(everywhere[:3])} feed(s) every artifact, so every difference "
+                     f"is 'expected' ({len(avail) - len(diff)} identical, {len(diff)} differ)", ev)
+    return Check(name, "binaries", True,
+                 f"{len(avail) - len(diff)} identical, {len(diff)} differ, all fed by changed sources", ev)
 
 
-def check_behaviour(kv: str, a: HarnessRun, b: HarnessRun, n_vocab: int | None) -> Check:
+def run_shape_problems(run: HarnessRun, prompt_tokens: int, decode: int) -> list[str]:
+    """What is missing or the wrong size in one harness run: a logits dump and summary must exist, hold
+    1 (last prompt token) + ``decode`` rows of n_vocab floats, and come from the requested prompt."""
+    if run.sha256 is None or not run.dump.is_file():
+        return [f"{run.label}: no logits dump written"]
+    if run.summary is None:
+        return [f"{run.label}: no JSON summary written"]
+    s = run.summary
+    n_vocab = s.get("n_vocab") or 0
+    rows = 1 + decode
+    problems = []
+    if n_vocab <= 0:
+        problems.append(f"{run.label}: n_vocab {n_vocab!r}")
+    size = run.dump.stat().st_size
+    if size != rows * n_vocab * 4:
+        problems.append(f"{run.label}: logits dump has {size} bytes, want {rows} rows x {n_vocab} x 4")
+    for key, want in (("rows", rows), ("n_decode", decode), ("n_prompt", prompt_tokens)):
+        if s.get(key) != want:
+            problems.append(f"{run.label}: {key} {s.get(key)!r}, want {want}")
+    if len(s.get("decode_tokens") or []) != decode:
+        problems.append(f"{run.label}: {len(s.get('decode_tokens') or [])} decode tokens, want {decode}")
+    return problems
+
+
+def check_behaviour(kv: str, a: HarnessRun, b: HarnessRun, n_vocab: int | None, *,
+                    prompt_tokens: int, decode: int) -> Check:
     name = f"feature off, KV {kv}, -fa on"
     if a.rc != 0 or b.rc != 0:
         bad = [r for r in (a, b) if r.rc != 0]
@@ -333,6 +515,9 @@ def check_behaviour(kv: str, a: HarnessRun, b: HarnessRun, n_vocab: int | None) 
         for r in bad:
             ev += r.log.read_text(errors="replace").splitlines()[-8:]
         return Check(name, "behaviour", False, "harness failed", ev)
+    shape = run_shape_problems(a, prompt_tokens, decode) + run_shape_problems(b, prompt_tokens, decode)
+    if shape:
+        return Check(name, "behaviour", False, f"nothing comparable: {shape[0]}", shape)
     ev: list[str] = []
     problems: list[str] = []
 
@@ -370,12 +555,27 @@ def _tokens_sha(summary: dict[str, Any]) -> str | None:
     return hashlib.sha256(" ".join(map(str, toks)).encode()).hexdigest()[:16]
 
 
+# a verdict other than FAIL needs a passed check of each of these stages
+REQUIRED_STAGES = ("build", "sources", "behaviour")
+
+
+def verdict_of(checks: Sequence[Check]) -> tuple[str, list[str], list[str]]:
+    """(verdict, required stages with no passed check, checks not checked).
+
+    FAIL: a check failed or a required stage never passed; INCOMPLETE: all that ran passed, but some
+    check could not prove anything (reported as "not checked"); PASS: every check ran and passed."""
+    missing = [st for st in REQUIRED_STAGES if not any(c.passed for c in checks if c.stage == st)]
+    not_checked = [f"{c.stage}: {c.name}" for c in checks if c.passed is None]
+    if missing or any(c.passed is False for c in checks):
+        return "FAIL", missing, not_checked
+    return ("INCOMPLETE" if not_checked else "PASS"), missing, not_checked
+
+
 def render_report(checks: Sequence[Check], meta: dict[str, Any], out_dir: Path,
                   template_dirs: Sequence[Path]) -> tuple[Path, Path, dict[str, Any]]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    ok = all(c.passed is not False for c in checks) and any(c.passed for c in checks)
-    verdict = "PASS" if ok else "FAIL"
-    data = {"verdict": verdict, "meta": meta,
+    verdict, missing, not_checked = verdict_of(checks)
+    data = {"verdict": verdict, "missing_stages": missing, "not_checked": not_checked, "meta": meta,
             "checks": [asdict(c) | {"status": c.status} for c in checks]}
     js = out_dir / "verify-identical.json"
     write_report(js, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
@@ -418,6 +618,11 @@ def verify_identical(cfg: VerifyConfig, template_dirs: Sequence[Path], report_di
     meta["changed_sources"] = changed
     patches = _patch_map(cfg, changed)
     meta["patches"] = {k: v for k, v in patches.items()}
+    required = {p.name: patches[p.name] for p in cfg.patch_files} if cfg.patch_files else \
+        {k: v for k, v in patches.items() if k != "tree difference"}
+    checks.append(check_patched_differs(changed, required))
+    if not checks[-1].passed:
+        return render_report(checks, meta, report_dir, template_dirs)[2]
 
     builds: dict[str, BuildResult] = {}
     for label in ("pristine", "patched"):
@@ -437,14 +642,24 @@ def verify_identical(cfg: VerifyConfig, template_dirs: Sequence[Path], report_di
         except OpencotiError as exc:
             fail_build("pristine-repro", exc)
     elif not cfg.repro:
-        checks.append(Check("same tree built twice", "reproducibility", None, "skipped (--skip-repro)"))
+        checks.append(Check("same tree built twice", "reproducibility", None, "not checked (--skip-repro)"))
 
-    # 2. binaries
+    # 2. binaries: whole libraries, and object files of the translation units no change reaches
     if len(builds) == 2:
         checks.append(check_binaries(builds["pristine"], builds["patched"], changed, patches))
+        try:
+            checks.append(check_objects(compare_objects(object_infos(builds["pristine"]),
+                                                        object_infos(builds["patched"]), changed)))
+        except OpencotiError as exc:
+            checks.append(Check("objects of untouched translation units", "binaries", False,
+                                str(exc).splitlines()[0]))
 
     # 3. behaviour
-    if len(builds) == 2:
+    if len(builds) == 2 and (not cfg.kv_types or cfg.decode < 1 or cfg.prompt_tokens < 1):
+        checks.append(Check("behaviour runs", "behaviour", False,
+                            f"nothing to compare: KV types {list(cfg.kv_types)}, {cfg.prompt_tokens}-token "
+                            f"prompt, {cfg.decode} decode steps"))
+    elif len(builds) == 2:
         try:
             exes = {label: build_harness(res.src, res.bin, res.build.parent / "harness", opts,
                                          label=res.label) / SINGLE_EXE for label, res in builds.items()}
@@ -455,7 +670,8 @@ def verify_identical(cfg: VerifyConfig, template_dirs: Sequence[Path], report_di
                 a = run_harness(cfg, exes["pristine"], "pristine", kv, model)
                 b = run_harness(cfg, exes["patched"], "patched", kv, model, cfg.patched_args)
                 n_vocab = (a.summary or {}).get("n_vocab")
-                checks.append(check_behaviour(kv, a, b, n_vocab))
+                checks.append(check_behaviour(kv, a, b, n_vocab, prompt_tokens=cfg.prompt_tokens,
+                                              decode=cfg.decode))
         except OpencotiError as exc:
             checks.append(Check("harness", "behaviour", False, str(exc).splitlines()[0],
                                 str(exc).splitlines()[1:]))
@@ -478,7 +694,14 @@ def _patch_map(cfg: VerifyConfig, changed: Sequence[str]) -> dict[str, list[str]
     return out
 
 
-def raise_on_failure(data: dict[str, Any]) -> None:
-    if data["verdict"] != "PASS":
+def raise_on_failure(data: dict[str, Any], accept_not_checked: Iterable[str] = ()) -> None:
+    """Raise unless the verdict is PASS, or INCOMPLETE with only ``accept_not_checked`` stages not checked."""
+    if data["verdict"] == "FAIL":
         failed = [c["name"] for c in data["checks"] if c["passed"] is False]
+        failed += [f"no passed {st} check" for st in data.get("missing_stages", [])]
         raise CheckFailed(f"verify-identical FAILED: {', '.join(failed) or 'no check ran'}")
+    accepted = set(accept_not_checked)
+    left = [c["name"] for c in data["checks"] if c["passed"] is None and c["stage"] not in accepted]
+    if data["verdict"] != "PASS" and left:
+        raise CheckFailed(f"verify-identical INCOMPLETE, not checked: {', '.join(left)} "
+                          "(accept explicitly with --accept-not-checked STAGE)")

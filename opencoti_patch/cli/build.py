@@ -161,6 +161,10 @@ def _pin_and_staleness(settings: Settings, pin: str | None, rev: str | None) -> 
               help="Use this GGUF instead of the generated random-weight one.")
 @click.option("--patched-arg", "patched_args", multiple=True,
               help="Extra harness argument for the patched runs only, e.g. '--sparse-attn=off' (repeatable).")
+@click.option("--accept-not-checked", "accept_not_checked", multiple=True,
+              type=click.Choice(["reproducibility", "binaries"]),
+              help="Exit 0 on an INCOMPLETE verdict when only this stage was not checked (repeatable); "
+                   "the report still says INCOMPLETE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @build_options
 @common_options
@@ -168,12 +172,14 @@ def verify_identical_cmd(settings: Settings, pristine_rev: str | None, patched_r
                          pristine_dir: Path | None, patched_dir: Path | None, patch_files: tuple[Path, ...],
                          targets: tuple[str, ...], verify_root: Path | None, report_dir: Path | None,
                          skip_repro: bool, kv_types: str, prompt_tokens: int, decode: int, seed: int,
-                         threads: int, model: Path | None, patched_args: tuple[str, ...], as_json: bool,
+                         threads: int, model: Path | None, patched_args: tuple[str, ...],
+                         accept_not_checked: tuple[str, ...], as_json: bool,
                          cuda: bool | None, cuda_arch: str, cpu_variant: str, no_ccache: bool,
                          jobs: int | None, cmake_args: tuple[str, ...], no_progress: bool) -> None:
     """Build pristine and patched with the same flags and prove the patches are default-off:
     reproducible builds, byte-identical binaries wherever no patch feeds them, and bitwise-identical
-    logits, graph and buffer sizes with the feature off. Exit 4 on any failed check."""
+    logits, graph and buffer sizes with the feature off. Exit 4 on FAIL, and on INCOMPLETE (a check that
+    proves nothing in this run, e.g. --skip-repro) unless --accept-not-checked names its stage."""
     tree = settings.tree
     if pristine_dir is not None:
         pristine: tuple[Path, str | None] = (pristine_dir, None)
@@ -207,7 +213,7 @@ def verify_identical_cmd(settings: Settings, pristine_rev: str | None, patched_r
         for c in data["checks"]:
             click.echo(f"{c['status']:>7}  [{c['stage']}] {c['name']}: {c['summary']}")
         click.echo(f"verdict: {data['verdict']}  (report: {out}/verify-identical.md)")
-    raise_on_failure(data)
+    raise_on_failure(data, accept_not_checked)
 
 
 def _default_pristine_rev(settings: Settings) -> str:

@@ -83,6 +83,7 @@ class AttnConfig:
     dense_layers: int = 2
     min_ctx: int = 1
     fraction: float | None = None  # the budget as a fraction of the context, when made from one
+    window: bool = False  # a sliding-window baseline (top-1 + a long recent window), not the selector
 
     def args(self) -> list[str]:
         if not self.sparse:
@@ -109,7 +110,8 @@ class AttnConfig:
     def describe(self, n_kv: int) -> dict[str, Any]:
         n_blocks = -(-n_kv // self.block_size)
         att = self.attended_blocks(n_kv)
-        return {"name": self.name, "sparse": self.sparse, "topk": self.topk, "block_size": self.block_size,
+        return {"name": self.name, "sparse": self.sparse, "window": self.window, "topk": self.topk,
+                "block_size": self.block_size,
                 "sink": self.sink, "recent": self.recent,
                 "sink_blocks": self.sink_blocks if self.sparse else 0,
                 "recent_blocks": self.recent_blocks if self.sparse else 0, "dense_layers": self.dense_layers,
@@ -154,7 +156,7 @@ def window_config(budget: AttnConfig, n_kv: int) -> AttnConfig:
         raise OpencotiError(f"budget {budget.name} too small for a window baseline")
     # recent_blocks(R) = (R - 1 + B - 1) // B + 1 = k for R = B * (k - 1)
     return dataclasses.replace(budget, name=f"window-{budget.name.removeprefix('sparse-')}", topk=1,
-                               recent=budget.block_size * (n_recent_blocks - 1))
+                               recent=budget.block_size * (n_recent_blocks - 1), window=True)
 
 
 @dataclasses.dataclass
@@ -194,18 +196,24 @@ class Harness:
             err_path = (self.log_dir or Path(tmp)) / f"{_slug(label)}.stderr.log"
             err_path.parent.mkdir(parents=True, exist_ok=True)
             results: list[dict[str, Any]] = []
+            stray: list[str] = []  # not JSON: e.g. a crash handler's backtrace on stdout
             with err_path.open("w") as err, subprocess.Popen(
                     cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=clean_env()) as proc:
                 assert proc.stdout is not None
                 for line in proc.stdout:
-                    if line.strip():
+                    if not line.strip():
+                        continue
+                    try:
                         results.append(json.loads(line))
-                        if on_result is not None:
-                            on_result(results[-1])
+                    except ValueError:
+                        stray.append(line.rstrip())
+                        continue
+                    if on_result is not None:
+                        on_result(results[-1])
                 rc = proc.wait()
             log = err_path.read_text(errors="replace")
-        if rc != 0 or len(results) != len(requests):
-            tail = "\n".join(log.splitlines()[-15:])
+        if rc != 0 or stray or len(results) != len(requests):
+            tail = "\n".join(log.splitlines()[-15:] + stray[-10:])
             raise OpencotiError(f"{label}: harness exited {rc} after {len(results)}/{len(requests)} "
                                 f"requests\n  {' '.join(cmd)}\n{tail}")
         _check_sparse_active(results, cfg, label)
@@ -335,6 +343,7 @@ class PasskeySample:
     depth: float  # fraction of the filler before the needle
     key: str
     n_filler: int
+    needle_tok: int = -1  # estimated first token of the needle (-1: unknown)
 
     @property
     def n_before(self) -> int:
@@ -353,10 +362,12 @@ def passkey_prompt(n_filler: int, n_before: int, key: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TokenFit:
-    """Prompt tokens = base + per_filler * n_filler (measured with the model's tokenizer)."""
+    """Prompt tokens = base + per_filler * n_filler (measured with the model's tokenizer); the needle starts
+    near token header + per_filler * n_before (``header``: the tokens of PASSKEY_HEADER, BOS included)."""
 
     base: int
     per_filler: float
+    header: int | None = None
 
     def n_filler(self, target_tokens: int) -> int:
         n = int((target_tokens - self.base) // self.per_filler)
@@ -380,7 +391,9 @@ def passkey_samples(seed: int, per_ctx: dict[int, int], fit: TokenFit,
         for i in range(count):
             depth = i / (count - 1) if count > 1 else 0.5
             key = f"{rng.randrange(10_000, 100_000)}"
-            out.append(PasskeySample(f"c{n_ctx}-{i:03d}", n_ctx, depth, key, n_filler))
+            n_before = round(depth * n_filler)
+            needle = -1 if fit.header is None else round(fit.header + n_before * fit.per_filler)
+            out.append(PasskeySample(f"c{n_ctx}-{i:03d}", n_ctx, depth, key, n_filler, needle))
     return out
 
 
@@ -414,22 +427,89 @@ def parse_answer(text: str) -> str | None:
 def calibrate_tokens(harness: Harness, n_probe: int = 64) -> TokenFit:
     reqs = [{"id": f"fit{n}", "text": passkey_prompt(n, n // 2, "12345"), "tokenize_only": True}
             for n in (0, n_probe)]
+    reqs.append({"id": "fit-header", "text": PASSKEY_HEADER, "tokenize_only": True})
     res = harness.run(reqs, 512, DENSE, "tokenizer fit").results
-    t0, t1 = int(res[0]["n_tokens"]), int(res[1]["n_tokens"])
-    return TokenFit(base=t0, per_filler=(t1 - t0) / n_probe)
+    t0, t1, th = (int(r["n_tokens"]) for r in res)
+    return TokenFit(base=t0, per_filler=(t1 - t0) / n_probe, header=th)
 
 
 def depth_bucket(depth: float, n_buckets: int = 5) -> int:
     return min(int(depth * n_buckets), n_buckets - 1)
 
 
+NEEDLE_SPAN = 16  # tokens of the needle sentence, rounded up
+NEEDLE_SLACK = 16  # tokenizer slack of the estimated needle position
+
+
+def needle_in_kept_blocks(needle_tok: int, n_tokens: int, cfg: dict[str, Any]) -> bool:
+    """Whether the needle may lie in a block every sparse step keeps (sink or recent) at the first answer
+    step (n_kv = n_tokens): such a sample cannot test the selection. ``cfg``: AttnConfig.describe()."""
+    b = int(cfg["block_size"])
+    start, end = needle_tok - NEEDLE_SLACK, needle_tok + NEEDLE_SPAN + NEEDLE_SLACK
+    sink_end = int(cfg["sink_blocks"]) * b
+    recent_start = ((n_tokens - 1) // b - int(cfg["recent_blocks"]) + 1) * b
+    return start < sink_end or end > recent_start
+
+
+def passkey_gate(samples: Sequence[PasskeySample], answers: dict[str, dict[str, str | None]],
+                 configs: dict[str, dict[str, Any]], n_tokens: dict[str, int], gate_fraction: float = 0.5,
+                 gate_slack: int = 1, min_dense_accuracy: float = 0.9) -> dict[str, Any]:
+    """The passkey gate, per sparse config at ``gate_fraction``: counted only on samples whose needle lies
+    outside the always-kept sink/recent blocks (the others are reported apart), dense must be good there
+    (>= ``min_dense_accuracy``), the sparse config within ``gate_slack`` of dense, and strictly ahead of the
+    sliding-window baseline of the same attended size. Named by the share of the context attended."""
+    def correct(name: str, group: Sequence[PasskeySample]) -> int:
+        return sum(answers.get(name, {}).get(s.sid) == s.key for s in group)
+
+    def at_gate(name: str, window: bool) -> bool:
+        c = configs.get(name, {})
+        return (bool(c.get("sparse")) and c.get("fraction") == gate_fraction
+                and bool(c.get("window")) == window)
+
+    windows = [n for n in answers if at_gate(n, True)]
+    checks = []
+    for name in (n for n in answers if at_gate(n, False)):
+        by_ctx = configs[name].get("by_ctx", {})
+        known = [s for s in samples if s.needle_tok >= 0 and s.sid in n_tokens and s.n_ctx in by_ctx]
+        gated = [s for s in known
+                 if not needle_in_kept_blocks(s.needle_tok, n_tokens[s.sid], by_ctx[s.n_ctx])]
+        kept = [s for s in known if s not in gated]
+        shares = [by_ctx[c]["attended_fraction"] for c in sorted({s.n_ctx for s in samples}) if c in by_ctx]
+        dense_ok = correct("dense", gated)
+        c: dict[str, Any] = {
+            "config": name, "n": len(gated), "n_kept": len(kept), "n_unknown": len(samples) - len(known),
+            "attended_min": min(shares, default=0.0), "attended_max": max(shares, default=0.0),
+            "correct": correct(name, gated), "dense_correct": dense_ok,
+            "dense_accuracy": dense_ok / len(gated) if gated else 0.0,
+            "kept_correct": correct(name, kept), "kept_dense_correct": correct("dense", kept),
+            "window": windows[0] if windows else None,
+            "window_correct": correct(windows[0], gated) if windows else None}
+        reasons = []
+        if not gated:
+            reasons.append("no sample with the needle outside the sink and recent blocks")
+        elif c["dense_accuracy"] < min_dense_accuracy:
+            reasons.append(f"dense itself only {dense_ok}/{len(gated)} (< {min_dense_accuracy:.0%})")
+        if c["correct"] < dense_ok - gate_slack:
+            reasons.append(f"{c['correct']} correct, dense {dense_ok} (slack {gate_slack})")
+        if c["window"] is None:
+            reasons.append("no window baseline at this budget")
+        elif c["correct"] <= c["window_correct"]:
+            reasons.append(f"does not beat the window baseline ({c['correct']} vs {c['window_correct']})")
+        c["reasons"] = reasons
+        c["passed"] = not reasons
+        checks.append(c)
+    return {"fraction": gate_fraction, "slack": gate_slack, "min_dense_accuracy": min_dense_accuracy,
+            "dense_correct": checks[0]["dense_correct"] if checks else 0, "checks": checks,
+            "passed": bool(checks) and all(c["passed"] for c in checks)}
+
+
 def passkey_summary(samples: Sequence[PasskeySample], answers: dict[str, dict[str, str | None]],
-                    configs: dict[str, dict[str, Any]], gate_fraction: float = 0.5, gate_slack: int = 1,
-                    n_buckets: int = 5) -> dict[str, Any]:
+                    configs: dict[str, dict[str, Any]], n_tokens: dict[str, int] | None = None,
+                    gate_fraction: float = 0.5, gate_slack: int = 1, n_buckets: int = 5) -> dict[str, Any]:
     """Accuracy per context/config, agreement with dense, accuracy per depth bucket, and the gate.
 
     ``answers[config_name][sample_id]`` = parsed answer; ``configs[config_name]`` = describe() per context
-    (key ``by_ctx``) plus ``sparse``/``fraction``.
+    (key ``by_ctx``) plus ``sparse``/``fraction``/``window``; ``n_tokens[sample_id]`` = prompt tokens.
     """
     contexts = sorted({s.n_ctx for s in samples})
     names = list(answers)
@@ -458,13 +538,7 @@ def passkey_summary(samples: Sequence[PasskeySample], answers: dict[str, dict[st
         buckets.append(row)
     overall = [{"config": n, **t, "accuracy": t["correct"] / t["n"] if t["n"] else 0.0,
                 "agreement": t["same"] / t["n"] if t["n"] else 0.0} for n, t in totals.items()]
-    gate_rows = [o for o in overall if configs.get(o["config"], {}).get("fraction") == gate_fraction
-                 and configs.get(o["config"], {}).get("sparse")]
-    dense_correct = totals["dense"]["correct"]
-    gate = {"fraction": gate_fraction, "slack": gate_slack, "dense_correct": dense_correct,
-            "checks": [{"config": g["config"], "correct": g["correct"],
-                        "passed": g["correct"] >= dense_correct - gate_slack} for g in gate_rows]}
-    gate["passed"] = bool(gate["checks"]) and all(c["passed"] for c in gate["checks"])
+    gate = passkey_gate(samples, answers, configs, n_tokens or {}, gate_fraction, gate_slack)
     disagreements = [{"sid": s.sid, "n_ctx": s.n_ctx, "depth": s.depth, "key": s.key,
                       **{n: answers[n].get(s.sid) for n in names}}
                      for s in samples
@@ -494,7 +568,7 @@ def passkey_requests(group: Sequence[PasskeySample], n_generate: int,
 
 def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractions: Sequence[float],
                 accounting: str, n_generate: int = 8, jobs: int = 2, reuse: bool = True,
-                show_progress: bool = True) -> dict[str, Any]:
+                gate_fraction: float = 0.5, show_progress: bool = True) -> dict[str, Any]:
     t_start = time.monotonic()
     fit = calibrate_tokens(harness)
     samples = passkey_samples(seed, per_ctx, fit)
@@ -502,7 +576,8 @@ def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractio
     tasks = []
     for n_ctx in contexts:
         reqs = passkey_requests([s for s in samples if s.n_ctx == n_ctx], n_generate, reuse)
-        for cfg in [DENSE] + [budget_config(n_ctx, f, accounting=accounting) for f in fractions]:
+        budgets = [budget_config(n_ctx, f, accounting=accounting) for f in fractions]
+        for cfg in [DENSE, *budgets, *(window_config(b, n_ctx) for b in budgets)]:
             tasks.append(Task(n_ctx, cfg, reqs, f"passkey {n_ctx} {cfg.name}"))
     runs = run_tasks(harness, tasks, jobs, f"passkey ({len(tasks)} runs)", show_progress)
     answers: dict[str, dict[str, str | None]] = {"dense": {}}
@@ -510,7 +585,8 @@ def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractio
     configs: dict[str, dict[str, Any]] = {"dense": {"sparse": False, "fraction": None, "by_ctx": {}}}
     for run in runs:
         cfg, n_ctx = run.cfg, run.n_ctx
-        entry = configs.setdefault(cfg.name, {"sparse": cfg.sparse, "fraction": cfg.fraction, "by_ctx": {}})
+        entry = configs.setdefault(cfg.name, {"sparse": cfg.sparse, "fraction": cfg.fraction,
+                                              "window": cfg.window, "by_ctx": {}})
         entry["by_ctx"][n_ctx] = cfg.describe(n_ctx)
         for r in run.results:
             if r["n_tokens"] + n_generate > n_ctx:
@@ -518,7 +594,8 @@ def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractio
             answers.setdefault(cfg.name, {})[r["id"]] = parse_answer(r["text"])
             raw.setdefault(cfg.name, {})[r["id"]] = {k: r.get(k) for k in ("n_tokens", "text", "select_nodes",
                                                                              "decode_steps", "reused")}
-    summary = passkey_summary(samples, answers, configs)
+    n_tokens = {sid: int(r["n_tokens"]) for sid, r in raw["dense"].items()}
+    summary = passkey_summary(samples, answers, configs, n_tokens, gate_fraction=gate_fraction)
     for d in summary["disagreements"]:  # what each config actually generated there
         d["texts"] = {name: raw[name][d["sid"]]["text"] for name in raw if d["sid"] in raw[name]}
     prompt_tokens = {n: sorted(raw["dense"][s.sid]["n_tokens"] for s in samples if s.n_ctx == n)
@@ -641,7 +718,8 @@ def fidelity_text(docs_dir: Path, max_chars: int) -> tuple[str, list[str]]:
 
 def run_fidelity(harness: Harness, *, docs_dir: Path, contexts: Sequence[int], steps: int,
                  fractions: Sequence[float], accounting: str, jobs: int = 2, work_dir: Path | None = None,
-                 window_baseline: bool = False, show_progress: bool = True) -> dict[str, Any]:
+                 window_baseline: bool = True, gate_fraction: float = 0.5,
+                 show_progress: bool = True) -> dict[str, Any]:
     t_start = time.monotonic()
     runs: list[dict[str, Any]] = []
     timings: list[dict[str, Any]] = []
@@ -676,7 +754,51 @@ def run_fidelity(harness: Harness, *, docs_dir: Path, contexts: Sequence[int], s
     bad = [r for r in runs if r["config"] == "select-all" and not r["identical"]]
     return {"steps": steps, "fractions": list(fractions), "accounting": accounting, "docs_dir": str(docs_dir),
             "runs": runs, "timings": timings, "seconds": time.monotonic() - t_start, "jobs": jobs,
-            "select_all_identical": not bad and any(r["config"] == "select-all" for r in runs)}
+            "select_all_identical": not bad and any(r["config"] == "select-all" for r in runs),
+            "gate": fidelity_gate(runs, gate_fraction)}
+
+
+def fidelity_gate(runs: Sequence[dict[str, Any]], gate_fraction: float = 0.5) -> dict[str, Any]:
+    """Per context: the sparse config at ``gate_fraction`` must beat the sliding-window baseline of the same
+    attended size, on KL(dense || .) (strictly lower mean) and on the text's NLL (not higher); with no window
+    run the gate fails (a selector that recency alone matches adds nothing)."""
+    def at_gate(r: dict[str, Any], window: bool) -> bool:
+        cfg = r.get("cfg", {})
+        is_window = cfg.get("window", str(r.get("config", "")).startswith("window-"))  # runs recorded before
+        return bool(cfg.get("sparse")) and cfg.get("fraction") == gate_fraction and bool(is_window) == window
+
+    checks = []
+    for r in (r for r in runs if at_gate(r, False)):
+        w = next((x for x in runs if x["n_ctx"] == r["n_ctx"] and at_gate(x, True)), None)
+        reasons = []
+        if w is None:
+            reasons.append("no window baseline at this budget")
+        else:
+            if not r["kl_mean"] < w["kl_mean"]:
+                reasons.append(f"KL mean {r['kl_mean']:.3g} not below the window's {w['kl_mean']:.3g}")
+            if "nll" in r and "nll" in w and r["nll"] > w["nll"]:
+                reasons.append(f"NLL {r['nll']:.4f} above the window's {w['nll']:.4f}")
+        checks.append({"n_ctx": r["n_ctx"], "config": r["config"], "window": w["config"] if w else None,
+                       "attended_fraction": r["cfg"]["attended_fraction"], "kl_mean": r["kl_mean"],
+                       "window_kl_mean": w["kl_mean"] if w else None, "nll": r.get("nll"),
+                       "window_nll": w.get("nll") if w else None, "reasons": reasons, "passed": not reasons})
+    return {"fraction": gate_fraction, "checks": checks,
+            "passed": bool(checks) and all(c["passed"] for c in checks)}
+
+
+def check_gates(update: dict[str, Any]) -> None:
+    """Raise on any failed gate of an eval run (select-all identity first: the plumbing must be exact)."""
+    if "fidelity" in update:
+        check_select_all(update["fidelity"])
+        g = update["fidelity"]["gate"]
+        if not g["passed"]:
+            why = [f"{c['n_ctx']} {c['config']}: {'; '.join(c['reasons'])}" for c in g["checks"]]
+            raise CheckFailed(f"fidelity gate failed: {', '.join(why) or 'no sparse run at the gate budget'}")
+    if "passkey" in update:
+        g = update["passkey"]["summary"]["gate"]
+        if not g["passed"]:
+            why = [f"{c['config']}: {'; '.join(c['reasons'])}" for c in g["checks"]]
+            raise CheckFailed(f"passkey gate failed: {', '.join(why) or 'no sparse run at the gate budget'}")
 
 
 def check_select_all(fid: dict[str, Any]) -> None:
@@ -732,6 +854,9 @@ def save_gate_results(out_dir: Path, name: str, update: dict[str, Any],
             meta["harness_commands"] = list(dict.fromkeys(before + meta.get("harness_commands", [])))
         update = {**update, "meta": meta}
     data = merge_results(json_path, update)
+    fid = data.get("fidelity")
+    if fid and "gate" not in fid:  # recorded before the gate existed: apply it to the recorded runs
+        fid["gate"] = fidelity_gate(fid["runs"])
     write_report(md_path, render_report(default_template_dirs(), data))
     return md_path, json_path
 

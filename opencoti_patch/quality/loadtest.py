@@ -13,14 +13,22 @@ Checks (each one a named pass/fail in the report):
 - ``attribution``: ``tokens_evaluated`` / ``usage.prompt_tokens`` equal the prompt's own token count,
   the echoed ``prompt`` holds the request's own marker and no other, no output holds a foreign marker
   (a request's text fed back as another's input shows up here).
+- ``marker_echo``: every prompt ends by asking for its own marker again ("The identifier of this
+  document is"), so a real model copies it into the answer: at least ``--min-marker-echo`` of the
+  finished answers must hold their own marker. Without it the foreign-marker check above could never
+  fire (answers that hold no marker at all prove nothing about slots mixing).
 - ``isolated_deterministic``: after the load, ``--isolated`` prompts are re-sent one at a time with the
   prompt cache off (the first one twice); at temperature 0 they must repeat exactly. Under load a
   repeated prompt (sent twice at different positions, streamed or not) is compared too, but only
   reported (``--strict-load-determinism`` makes it a check): llama-server is not batch-invariant
   (with ``--parallel`` > 1 a prompt's ubatches are cut differently depending on which other slots are
   busy, and CPU FA / matmul round differently for other ubatch shapes), dense included.
-- ``rss_flat``: the server's RSS (``/proc/<pid>/status``, sampled) grows by at most a threshold
-  after warm-up.
+- ``rss_flat``: the server's RSS (``/proc/<pid>/status``, sampled) peaks at most a threshold above
+  its value after warm-up (the peak, not the last sample).
+- ``gpu_mem_flat``: the same for the server's GPU memory (``nvidia-smi --query-compute-apps``), where
+  nvidia-smi lists the server process.
+  Neither can be measured without the server's pid (``--url`` without ``--server-pid``): they are then
+  listed as "not checked" and the verdict is INCOMPLETE (exit 4) unless ``--accept-not-checked``.
 - ``server_alive``: the server still answers ``/health`` after the run and did not exit.
 - ``--expect-equal A:B``: two variants give identical text on the isolated reference (e.g. sparse
   select-all vs dense); their agreement under load is reported beside it.
@@ -76,7 +84,8 @@ class LoadConfig:
     concurrency: int = 6
     min_tokens: int = 1024
     max_tokens: int = 4096
-    shared_prefix_tokens: int = 0  # a common prefix (cached by the server) in front of every slice
+    shared_prefix_tokens: int = 0  # a common prefix (cached by the server) in front of some slices
+    shared_prefix_frac: float = 0.5  # the share of prompts with that prefix (the rest start cold)
     n_predict: int = 16
     seed: int = 0
     stream_frac: float = 0.5
@@ -89,6 +98,8 @@ class LoadConfig:
     rss_interval_s: float = 0.5
     warmup_frac: float = 0.1
     rss_growth_mib: float = 64.0
+    gpu_growth_mib: float = 64.0
+    min_marker_echo: float = 0.9  # share of finished answers that must hold their own marker
     isolated: int = 4  # prompts re-sent one at a time, uncached, after the load (batch-invariant reference)
     strict_load_determinism: bool = False  # llama-server is not batch-invariant: see module doc
 
@@ -100,7 +111,8 @@ class LoadConfig:
                                 f"got {self.min_tokens}..{self.max_tokens}")
         if self.shared_prefix_tokens and self.shared_prefix_tokens + 64 > self.min_tokens:
             raise LoadTestError("shared-prefix-tokens must leave >= 64 tokens of min-tokens for the slice")
-        for name in ("stream_frac", "cancel_frac", "v1_frac", "repeat_frac", "warmup_frac"):
+        for name in ("stream_frac", "cancel_frac", "v1_frac", "repeat_frac", "warmup_frac",
+                     "shared_prefix_frac", "min_marker_echo"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise LoadTestError(f"{name} must be in [0, 1]")
         if self.repeat_frac > 0.5:
@@ -348,8 +360,10 @@ def marker(seed: int, key: int, rng: random.Random) -> str:
 
 
 def _frame(rid: str, body: str) -> tuple[str, str]:
+    # the last line asks for the marker again: a model copies it into its answer (marker_echo)
     return (f"\n\n=== document {rid} ===\n{body}",
-            f"\n=== end of document {rid} ===\nThe identifier of this document is {rid}. Summary:")
+            f"\n=== end of document {rid} ===\nThe identifier of this document is {rid}.\n"
+            "The identifier of this document is")
 
 
 def _fit(make: Callable[[int], str], target: int, tokenize: Callable[[str], int], chars0: int,
@@ -394,13 +408,17 @@ def build_specs(corpus: str, cfg: LoadConfig, n_unique: int,
         target = rng.randint(cfg.min_tokens, cfg.max_tokens)
         rid = marker(cfg.seed, key, rng)
         off = offsets[key]
+        # only some prompts share the cached prefix: the others start cold, in the same batches (the first
+        # two prompts one of each, so that both kinds exist for any 0 < frac < 1)
+        first = {0: 0.0, 1: 1.0}.get(key, rng.random()) if 0 < cfg.shared_prefix_frac < 1 else rng.random()
+        pre = prefix if first < cfg.shared_prefix_frac else ""
+        n_pre = cfg.shared_prefix_tokens if pre else 0
 
-        def make(chars: int, off: int = off, rid: str = rid) -> str:
+        def make(chars: int, off: int = off, rid: str = rid, pre: str = pre) -> str:
             head, tail = _frame(rid, big[off:off + chars])
-            return prefix + head + tail
+            return pre + head + tail
 
-        text, n = _fit(make, target, tokenize, int((target - cfg.shared_prefix_tokens) * ratio),
-                       cfg.min_tokens, cfg.max_tokens)
+        text, n = _fit(make, target, tokenize, int((target - n_pre) * ratio), cfg.min_tokens, cfg.max_tokens)
         ratio = max(1.0, len(text) / n)
         specs.append(Spec(key=key, rid=rid, prompt=text, n_tokens=n))
     return specs
@@ -612,12 +630,29 @@ def _run_stream(transport: Transport, url: str, body: dict[str, Any], job: Job, 
 # --- the load -----------------------------------------------------------------------------------------
 
 
-class RssSampler:
-    """Samples VmRSS of a pid (and how many requests were done at that time) in a thread."""
+def nvidia_smi_mib(pid: int) -> int | None:
+    """GPU memory (MiB) nvidia-smi lists for ``pid``; None without nvidia-smi or when it lists no such pid."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.stdout.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0] == str(pid) and parts[1].isdigit():
+            return int(parts[1])
+    return None
 
-    def __init__(self, pid: int | None, interval_s: float, done: Callable[[], int]) -> None:
-        self.pid, self.interval_s, self._done = pid, interval_s, done
+
+class RssSampler:
+    """Samples VmRSS of a pid (and how many requests were done at that time) in a thread; with ``gpu``
+    (pid -> MiB or None, e.g. :func:`nvidia_smi_mib`) its GPU memory too."""
+
+    def __init__(self, pid: int | None, interval_s: float, done: Callable[[], int],
+                 gpu: Callable[[int], int | None] | None = None) -> None:
+        self.pid, self.interval_s, self._done, self._gpu = pid, interval_s, done, gpu
         self.samples: list[tuple[float, int, int]] = []  # (t, rss KiB, requests done)
+        self.gpu_samples: list[tuple[float, int, int]] = []  # (t, GPU memory KiB, requests done)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -637,6 +672,9 @@ class RssSampler:
         rss = self.read_rss_kib(self.pid)
         if rss is not None:
             self.samples.append((time.monotonic(), rss, self._done()))
+        gpu = self._gpu(self.pid) if self._gpu is not None else None
+        if gpu is not None:
+            self.gpu_samples.append((time.monotonic(), gpu * 1024, self._done()))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -666,7 +704,8 @@ def rss_summary(samples: Sequence[tuple[float, int, int]], warmup_done: int) -> 
 
 
 def run_load(transport: Transport, base_url: str, jobs: Sequence[Job], cfg: LoadConfig,
-             pid: int | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+             pid: int | None = None, progress: Callable[[str], None] | None = None,
+             gpu: Callable[[int], int | None] | None = nvidia_smi_mib) -> dict[str, Any]:
     """Send the schedule with `cfg.concurrency` client threads; returns outcomes + RSS samples."""
     lock = threading.Lock()
     done = [0]
@@ -689,10 +728,11 @@ def run_load(transport: Transport, base_url: str, jobs: Sequence[Job], cfg: Load
             progress(f"  {n}/{len(jobs)} done, {time.monotonic() - t_begin:.0f}s{tail}")
         return out
 
-    with RssSampler(pid, cfg.rss_interval_s, lambda: done[0]) as sampler:
+    with RssSampler(pid, cfg.rss_interval_s, lambda: done[0], gpu) as sampler:
         with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
             outcomes = list(pool.map(work, jobs))
-    return {"outcomes": outcomes, "wall_s": time.monotonic() - t_begin, "rss_samples": sampler.samples}
+    return {"outcomes": outcomes, "wall_s": time.monotonic() - t_begin, "rss_samples": sampler.samples,
+            "gpu_samples": sampler.gpu_samples, "pid": pid}
 
 
 def isolated_jobs(jobs: Sequence[Job], n: int) -> list[Job]:
@@ -773,7 +813,10 @@ def summarize(name: str, run: dict[str, Any], cfg: LoadConfig, server: dict[str,
     gen_tokens = sum(o.predicted_n or 0 for o in complete)
     warmup_done = int(round(len(outs) * cfg.warmup_frac))
     rss = rss_summary(run["rss_samples"], warmup_done)
+    gpu = rss_summary(run.get("gpu_samples", []), warmup_done)
     det = determinism(outs)
+    answered = [o for o in complete if o.content]
+    echoed = sum(o.rid in o.content for o in answered)
     checks: dict[str, bool] = {
         "all_started": len(started) == len(outs),
         "no_5xx": kinds.get("no_5xx", 0) == 0,
@@ -782,14 +825,23 @@ def summarize(name: str, run: dict[str, Any], cfg: LoadConfig, server: dict[str,
         "no_server_errors": all(kinds.get(k, 0) == 0 for k in ("server_error", "http_status", "schema",
                                                                   "stream_complete")),
         "attribution": kinds.get("attribution", 0) == 0,
+        # answers without any marker cannot show a foreign one: the attribution check needs them
+        "marker_echo": bool(answered) and echoed >= cfg.min_marker_echo * len(answered),
         "isolated_ok": all(o.complete for o in iso),
         "isolated_deterministic": iso_det["mismatches"] == 0,
         "server_alive": bool(server.get("alive_after", True)),
     }
     if cfg.strict_load_determinism:
         checks["deterministic_under_load"] = det["mismatches"] == 0
+    not_checked: list[str] = []
     if rss is not None:
-        checks["rss_flat"] = rss["growth_after_warmup_mib"] <= cfg.rss_growth_mib
+        checks["rss_flat"] = rss["peak_after_warmup_mib"] <= cfg.rss_growth_mib
+    else:
+        not_checked.append("rss_flat: no server pid to sample (--url without --server-pid)")
+    if gpu is not None:
+        checks["gpu_mem_flat"] = gpu["peak_after_warmup_mib"] <= cfg.gpu_growth_mib
+    elif run.get("pid") is None:
+        not_checked.append("gpu_mem_flat: no server pid to sample")
     return {
         "name": name,
         "server": server,
@@ -812,11 +864,12 @@ def summarize(name: str, run: dict[str, Any], cfg: LoadConfig, server: dict[str,
         "prompt_tps_per_request": _r(sum(o.prompt_n or 0 for o in ptimed)
                                      / max(1e-9, sum(o.prompt_ms or 0 for o in ptimed) / 1000.0)),
         "generated_tps_aggregate": _r(gen_tokens / max(1e-9, run["wall_s"])),
-        "rss": rss, "determinism": det, "isolated": {"requests": len(iso), "determinism": iso_det,
+        "marker_echo": f"{echoed}/{len(answered)}",
+        "rss": rss, "gpu": gpu, "determinism": det, "isolated": {"requests": len(iso), "determinism": iso_det,
                                                       "errors": [o.errors[:2] for o in iso if o.errors]},
         "errors_sample": [{"pos": o.pos, "rid": o.rid, "errors": o.errors[:3]}
                           for o in outs if o.errors][:10],
-        "checks": checks, "passed": all(checks.values()),
+        "checks": checks, "not_checked": not_checked, "passed": all(checks.values()),
     }
 
 
@@ -935,7 +988,7 @@ def parse_pair(text: str) -> tuple[str, str]:
 
 def run_variants(variants: Sequence[Variant], cfg: LoadConfig, corpus: str, transport: Transport, *,
                  server: ServerConfig | None, url: str | None, log_dir: Path | None,
-                 progress: Callable[[str], None] = print) -> dict[str, Any]:
+                 progress: Callable[[str], None] = print, server_pid: int | None = None) -> dict[str, Any]:
     jobs: list[Job] | None = None
     runs: dict[str, dict[str, Any]] = {}
     summaries: list[dict[str, Any]] = []
@@ -960,8 +1013,8 @@ def run_variants(variants: Sequence[Variant], cfg: LoadConfig, corpus: str, tran
                 progress(f"[{v.name}] building {cfg.requests} requests")
                 jobs = plan(corpus, cfg, server_tokenizer(transport, base))
             progress(f"[{v.name}] sending {len(jobs)} requests, concurrency {cfg.concurrency}")
-            run = run_load(transport, base, jobs, cfg, pid=proc.proc.pid if proc and proc.proc else None,
-                           progress=progress)
+            run = run_load(transport, base, jobs, cfg,
+                           pid=proc.proc.pid if proc and proc.proc else server_pid, progress=progress)
             if cfg.isolated:
                 progress(f"[{v.name}] isolated reference: {cfg.isolated} prompts one at a time, uncached")
                 run["isolated"] = run_isolated(transport, base, jobs, cfg)
@@ -1028,9 +1081,13 @@ def render_markdown(result: dict[str, Any]) -> str:
         ("RSS start / warm / peak / end (MiB)",
          lambda x: "-" if not x["rss"] else
          " / ".join(str(x["rss"][k]) for k in ("start_mib", "warm_mib", "peak_mib", "end_mib"))),
-        ("RSS growth after warm-up (MiB)",
-         lambda x: "-" if not x["rss"] else x["rss"]["growth_after_warmup_mib"]),
+        ("RSS peak above warm-up (MiB)",
+         lambda x: "-" if not x["rss"] else x["rss"]["peak_after_warmup_mib"]),
+        ("GPU memory warm / peak (MiB)",
+         lambda x: "-" if not x.get("gpu") else f"{x['gpu']['warm_mib']} / {x['gpu']['peak_mib']}"),
+        ("answers holding their own marker", lambda x: x.get("marker_echo", "-")),
         ("failed checks", lambda x: ", ".join(k for k, ok in x["checks"].items() if not ok) or "none"),
+        ("not checked", lambda x: "; ".join(x.get("not_checked", [])) or "none"),
     ]
     lines = ["| | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     lines += [f"| {label} | " + " | ".join(str(f(x)) for x in s) + " |" for label, f in rows]
@@ -1067,7 +1124,9 @@ def build_parser(prog: str = "python3 -m opencoti_patch.quality.loadtest") -> ar
     src = p.add_argument_group("server")
     src.add_argument("--server", type=Path, help="llama-server binary (started per variant)")
     src.add_argument("--model", type=Path, help="GGUF model for llama-server")
-    src.add_argument("--url", help="use this running server instead (one variant, no RSS check)")
+    src.add_argument("--url", help="use this running server instead (one variant; RSS/GPU memory only "
+                                   "with --server-pid, else 'not checked')")
+    src.add_argument("--server-pid", type=int, help="pid of the --url server (its RSS and GPU memory)")
     src.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                      help="server args of one run, e.g. 'sparse=--sparse-attn on --sparse-attn-topk 8' "
                           "(repeatable; default: dense=--sparse-attn off)")
@@ -1084,7 +1143,9 @@ def build_parser(prog: str = "python3 -m opencoti_patch.quality.loadtest") -> ar
     load.add_argument("--min-tokens", type=int, default=d.min_tokens, help="prompt length range (tokens)")
     load.add_argument("--max-tokens", type=int, default=d.max_tokens)
     load.add_argument("--shared-prefix-tokens", type=int, default=0,
-                      help="common corpus prefix of every prompt (prompt-cache friendly); 0 = none")
+                      help="common corpus prefix of some prompts (prompt-cache friendly); 0 = none")
+    load.add_argument("--shared-prefix-frac", type=float, default=d.shared_prefix_frac,
+                      help="share of the prompts with that prefix (the rest start cold)")
     load.add_argument("--n-predict", type=int, default=d.n_predict)
     load.add_argument("--seed", type=int, default=d.seed)
     load.add_argument("--stream-frac", type=float, default=d.stream_frac)
@@ -1094,7 +1155,13 @@ def build_parser(prog: str = "python3 -m opencoti_patch.quality.loadtest") -> ar
     load.add_argument("--time-limit", type=float, default=d.time_limit_s, help="seconds per server run")
     load.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
     load.add_argument("--rss-growth-mib", type=float, default=d.rss_growth_mib,
-                      help="max RSS growth after warm-up")
+                      help="max RSS peak above its value after warm-up")
+    load.add_argument("--gpu-growth-mib", type=float, default=d.gpu_growth_mib,
+                      help="max GPU memory peak above its value after warm-up (where nvidia-smi lists the "
+                           "server)")
+    load.add_argument("--min-marker-echo", type=float, default=d.min_marker_echo,
+                      help="share of finished answers that must repeat their own marker (needs a real model "
+                           "and --n-predict covering the marker)")
     load.add_argument("--warmup-frac", type=float, default=d.warmup_frac)
     load.add_argument("--isolated", type=int, default=d.isolated,
                       help="prompts re-sent one at a time, uncached, after the load (the reference that "
@@ -1109,6 +1176,9 @@ def build_parser(prog: str = "python3 -m opencoti_patch.quality.loadtest") -> ar
                      help="fail unless variants A and B give identical text (e.g. selectall:dense)")
     chk.add_argument("--compare", action="append", default=[], metavar="A:B",
                      help="report (not require) agreement of two variants")
+    chk.add_argument("--accept-not-checked", action="store_true",
+                     help="exit 0 although a check could not run (e.g. memory with --url); the report "
+                          "still lists it")
     chk.add_argument("--transport", choices=["auto", "requests", "http.client"], default="auto")
     chk.add_argument("--json", dest="json_out", type=Path, help="write the full result as JSON")
     chk.add_argument("--markdown", type=Path, help="write the summary table as Markdown")
@@ -1126,7 +1196,9 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                          cancel_frac=a.cancel_frac, v1_frac=a.v1_frac, repeat_frac=a.repeat_frac,
                          time_limit_s=a.time_limit, request_timeout_s=a.request_timeout,
                          rss_growth_mib=a.rss_growth_mib, warmup_frac=a.warmup_frac, isolated=a.isolated,
-                         strict_load_determinism=a.strict_load_determinism)
+                         strict_load_determinism=a.strict_load_determinism,
+                         shared_prefix_frac=a.shared_prefix_frac, gpu_growth_mib=a.gpu_growth_mib,
+                         min_marker_echo=a.min_marker_echo)
         cfg.validate()
         variants = [parse_variant(v) for v in a.variant] or [Variant("dense", ["--sparse-attn", "off"])]
         if len({v.name for v in variants}) != len(variants):
@@ -1153,7 +1225,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         transport = default_transport(a.transport)
         print(f"transport: {transport.name}", flush=True)
         result = run_variants(variants, cfg, corpus, transport, server=server, url=a.url, log_dir=log_dir,
-                              progress=lambda m: print(m, flush=True))
+                              progress=lambda m: print(m, flush=True), server_pid=a.server_pid)
         result["comparisons"] = evaluate_pairs(result["runs"], equal, info_pairs, cfg.strict_load_determinism)
         server_json = None if server is None else {**asdict(server), "binary": str(server.binary),
                                                    "model": str(server.model)}
@@ -1172,8 +1244,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if a.json_out:
         a.json_out.parent.mkdir(parents=True, exist_ok=True)
         write_report(a.json_out, json.dumps(_jsonable(result, True), indent=1, default=str) + "\n")
-    print("PASS" if result["passed"] else "FAIL", flush=True)
-    return EXIT_OK if result["passed"] else EXIT_CHECK_FAILED
+    not_checked = [f"{x['name']}: {n}" for x in result["summaries"] for n in x["not_checked"]]
+    verdict = "FAIL" if not result["passed"] else ("INCOMPLETE" if not_checked else "PASS")
+    print(verdict + (f" (not checked: {'; '.join(not_checked)})" if not_checked else ""), flush=True)
+    if verdict == "PASS" or verdict == "INCOMPLETE" and a.accept_not_checked:
+        return EXIT_OK
+    return EXIT_CHECK_FAILED
 
 
 if __name__ == "__main__":
