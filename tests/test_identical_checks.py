@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch import build as b
-from opencoti_patch import identical as ident
+from opencoti_patch.build import builder as b
+from opencoti_patch.build import identical as ident
 from opencoti_patch.errors import CheckFailed
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES = [ROOT / "templates"]
+TEMPLATES = [ROOT / "opencoti_patch" / "templates"]
 N_VOCAB = 4
 PROMPT = 8
 DECODE = 2
@@ -193,11 +193,11 @@ def fake_pipeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ident.Veri
 
     monkeypatch.setattr(ident, "prepare_source", prepare)
     monkeypatch.setattr(ident, "build_label", build)
-    monkeypatch.setattr(ident, "build_harness", lambda res, opts: Path("/bin/true"))
+    monkeypatch.setattr(ident, "build_harness", lambda *args, **kwargs: tmp_path / "harness")
     monkeypatch.setattr(ident, "run_harness", harness)
     monkeypatch.setattr(ident, "object_infos", lambda res: {"u.o": _obj("1", "ggml/src/u.c")})
     patch = tmp_path / "0001-x.patch"
-    patch.write_text("// comment\n")
+    patch.write_text("--- a/src/llama.cpp\n+++ b/src/llama.cpp\n@@ -1 +1,2 @@\n int x;\n+// comment\n")
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     return ident.VerifyConfig(work=tmp_path / "work", pristine=(tree, None), patched=(tree, None),
                               patch_files=(patch,), kv_types=("f16",), prompt_tokens=PROMPT, decode=DECODE,

@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 from stackutil import Project
 
-from opencoti_patch.markers import audit
-from opencoti_patch.series import load_series
+from opencoti_patch.markers.audit import audit
+from opencoti_patch.stack.series import load_series
 
 pytestmark = pytest.mark.realtree
 

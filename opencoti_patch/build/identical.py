@@ -54,6 +54,7 @@ from .builder import (
     collect_artifacts,
     configure_and_build,
     export_tree,
+    find_tool,
 )
 from .harness import SINGLE_EXE, build_harness
 
