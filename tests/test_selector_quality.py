@@ -126,7 +126,7 @@ def test_needle_kept_sees_the_needle_block_and_the_window_does_not() -> None:
 def test_report_command_hides_machine_paths() -> None:
     from opencoti_patch.cli.selector import _command
 
-    cmd = _command(["selector", "needles", "--build", "/home/me/b", "--samples", "4096:16", "--prose=/usr/x",
+    cmd = _command(["selector", "needles", "--build", "/opt/me/b", "--samples", "4096:16", "--prose=/usr/x",
                     "--layers", "5,11,17"])
     assert cmd == ("opencoti-patch selector needles --build <cpu-build> --samples 4096:16 --prose=<docs-dir> "
                    "--layers 5,11,17")
