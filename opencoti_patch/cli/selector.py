@@ -22,6 +22,7 @@ import numpy as np
 
 from ..build.harness import BATCH_EXE, build_harness
 from ..config import Settings, write_report
+from ..errors import OpencotiError
 from ..quality import needle, prose, recall
 from ..quality.evaluate import find_model
 from ..report import info, render
@@ -47,6 +48,20 @@ def _floats(text: str) -> list[float]:
         raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from exc
     if any(not 0 < f < 1 for f in out):
         raise click.BadParameter("shares of the context are in (0, 1), e.g. 0.25,0.125")
+    return out
+
+
+def _feasible(shares: list[float], n_ctx: int) -> list[float]:
+    """The shares that leave at least one top-k block at this context (the others are only sink + recent)."""
+    out = []
+    for share in shares:
+        try:
+            recall.budget_for(n_ctx, share, needle.BLOCK, needle.SINK, needle.RECENT)
+        except OpencotiError:
+            continue
+        out.append(share)
+    if not out:
+        raise click.ClickException(f"no share in {shares} leaves a top-k block at context {n_ctx}")
     return out
 
 
@@ -195,8 +210,9 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
                     raise click.ClickException(f"{dump}: the text gave {k.shape[0]} tokens, {n_ctx} needed")
                 sc = scale if scale is not None else 1.0 / math.sqrt(k.shape[2])
                 per_layer[f"{i}/{layer}"] = recall.layer_recall(q, k, scale=sc, block=needle.BLOCK,
-                                                                shares=share_list, scorers=scorer_list,
-                                                                sink=needle.SINK, recent=needle.RECENT)
+                                                                shares=_feasible(share_list, n_ctx),
+                                                                scorers=scorer_list, sink=needle.SINK,
+                                                                recent=needle.RECENT)
         table[str(n_ctx)] = recall.aggregate(per_layer)
         n_texts[str(n_ctx)] = count
         info(f"recall {n_ctx}: done")
