@@ -184,15 +184,9 @@ def kept_mass(mass: np.ndarray, rank: np.ndarray, positions: np.ndarray, block: 
 
 
 def window_mass(mass: np.ndarray, positions: np.ndarray, block: int, budget: Budget) -> np.ndarray:
-    out = np.empty(mass.shape[0])
-    for n, t in enumerate(positions):
-        nv = int(t) // block + 1
-        m = mass[n, :nv]
-        keep = np.zeros(nv, bool)
-        keep[:budget.sink_blocks] = True
-        keep[max(0, nv - (budget.blocks - budget.sink_blocks)):] = True
-        out[n] = m[keep].sum()
-    return out
+    """Mass kept by a window of the same size: the top-k blocks are the most recent ones."""
+    recency = np.broadcast_to(np.arange(mass.shape[1], dtype=np.float64), mass.shape)
+    return kept_mass(mass, recency, positions, block, budget)
 
 
 def summarize(x: np.ndarray) -> dict[str, float]:
