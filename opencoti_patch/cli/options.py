@@ -54,3 +54,22 @@ def emit(data: Any, as_json: bool, text: str | None = None) -> None:
         click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     elif text:
         click.echo(text.rstrip("\n"))
+
+
+def int_list(text: str) -> list[int]:
+    """``"4096,8192"`` -> [4096, 8192] (a comma-separated option value)."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def fraction_list(text: str) -> list[float]:
+    """``"0.25,0.5"`` -> [0.25, 0.5]: shares of the context, each in (0, 1), at least one."""
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(f"expected comma-separated fractions, got {text!r}") from exc
+    if not out or any(not 0 < f < 1 for f in out):
+        raise click.BadParameter("budgets are fractions of the context in (0, 1), e.g. 0.25,0.5")
+    return out

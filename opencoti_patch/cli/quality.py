@@ -15,24 +15,7 @@ from ..config import Settings
 from ..errors import OpencotiError
 from ..quality import evaluate as ev
 from ..report import info
-from .options import common_options
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from exc
-
-
-def _fractions(text: str) -> list[float]:
-    try:
-        out = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise click.BadParameter(f"expected comma-separated fractions, got {text!r}") from exc
-    if not out or any(not 0 < f < 1 for f in out):
-        raise click.BadParameter("budgets are fractions of the context in (0, 1), e.g. 0.25,0.5")
-    return out
+from .options import common_options, fraction_list, int_list
 
 
 def _shared(f: Any) -> Any:
@@ -135,7 +118,7 @@ def _harness(o: dict[str, Any]) -> ev.Harness:
 def _run(gates: list[str], o: dict[str, Any]) -> None:
     o = _paths(o)
     harness = _harness(o)
-    fractions = _fractions(o["budgets"])
+    fractions = fraction_list(o["budgets"])
     progress = not o["no_progress"]
     update: dict[str, Any] = {}
     t0 = time.monotonic()
@@ -147,7 +130,7 @@ def _run(gates: list[str], o: dict[str, Any]) -> None:
         info(f"passkey: {update['passkey']['seconds']:.0f} s")
     if "fidelity" in gates:
         update["fidelity"] = ev.run_fidelity(
-            harness, docs_dir=o["docs_dir"], contexts=_ints(o["fidelity_contexts"]), steps=o["steps"],
+            harness, docs_dir=o["docs_dir"], contexts=int_list(o["fidelity_contexts"]), steps=o["steps"],
             fractions=fractions, accounting=o["accounting"], jobs=o["jobs"],
             window_baseline=o["window_baseline"], show_progress=progress)
         info(f"fidelity: {update['fidelity']['seconds']:.0f} s")

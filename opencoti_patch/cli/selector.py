@@ -24,30 +24,18 @@ from ..build.harness import BATCH_EXE, build_harness
 from ..config import Settings, write_report
 from ..errors import OpencotiError
 from ..quality import needle, prose, recall
-from ..quality.evaluate import find_model
+from ..quality.evaluate import find_model, parse_samples_spec
 from ..report import info, render
+from .options import fraction_list, int_list
 
 DUMP_EXE = "opencoti-qk-dump"
 
 
 def _pairs(text: str) -> dict[int, int]:
-    """``"4096:100,8192:50"`` -> {4096: 100, 8192: 50}."""
-    try:
-        out = {int(a): int(b) for a, b in (p.split(":") for p in text.split(",") if p.strip())}
-    except ValueError as exc:
-        raise click.BadParameter(f"expected CTX:COUNT,..., got {text!r}") from exc
-    if not out or min(out.values()) < 1:
-        raise click.BadParameter("need at least one context with a count >= 1")
-    return out
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        out = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise click.BadParameter(f"expected comma-separated numbers, got {text!r}") from exc
-    if any(not 0 < f < 1 for f in out):
-        raise click.BadParameter("shares of the context are in (0, 1), e.g. 0.25,0.125")
+    """``"4096:100,8192:50"`` -> {4096: 100, 8192: 50}, every count >= 1."""
+    out = parse_samples_spec(text)
+    if min(out.values()) < 1:
+        raise click.BadParameter(f"need a count >= 1 for every context, got {text!r}")
     return out
 
 
@@ -63,13 +51,6 @@ def _feasible(shares: list[float], n_ctx: int) -> list[float]:
     if not out:
         raise click.ClickException(f"no share in {shares} leaves a top-k block at context {n_ctx}")
     return out
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from exc
 
 
 def _common(f: Any) -> Any:
@@ -181,8 +162,8 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
     t0 = time.monotonic()
     env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
     exe = env.exe(DUMP_EXE)
-    layer_ids = _ints(layers)
-    share_list = _floats(shares)
+    layer_ids = int_list(layers)
+    share_list = fraction_list(shares)
     scorer_list = [recall.parse_scorer(s) for s in scorers.split(",") if s.strip()]
     rng = random.Random(seed)
     table: dict[str, Any] = {}
@@ -251,7 +232,8 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
     field = GGUFReader(str(env.model)).fields["tokenizer.ggml.tokens"]
     vocab = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
     digit = {t: i for i, t in enumerate(vocab) if len(t) == 1 and t.isdigit()}
-    layer_ids = _ints(layers)
+    layer_ids = int_list(layers)
+    share = fraction_list(shares)[0]
     scorer_list = [recall.parse_scorer(s) for s in scorers.split(",") if s.strip()]
     table: dict[str, Any] = {}
     for n_ctx, count in _pairs(samples).items():
@@ -275,7 +257,7 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                 raise click.ClickException(f"{smp.sid}: the key's digits are not in the prompt's tokens")
             blocks = {at // needle.BLOCK, (at + len(key) - 1) // needle.BLOCK}
             positions = np.arange(len(tokens) - 7, len(tokens))
-            bud = recall.budget_for(len(tokens), _floats(shares)[0], needle.BLOCK, needle.SINK, needle.RECENT)
+            bud = recall.budget_for(len(tokens), share, needle.BLOCK, needle.SINK, needle.RECENT)
             for layer in layer_ids:
                 q, k = recall.load_dump(dump, layer)
                 sc = 1.0 / math.sqrt(k.shape[2])
@@ -291,7 +273,7 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
             for sname, per in hits.items()}
         info(f"needles {n_ctx}: done")
     data = {"command": _command(), "layers": layer_ids, "samples": _pairs(samples),
-            "share": _floats(shares)[0], "table": table, "seconds": time.monotonic() - t0}
+            "share": share, "table": table, "seconds": time.monotonic() - t0}
     _save(out_dir, name, "needles", data, env.meta())
 
 
@@ -308,8 +290,8 @@ def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None,
     """Passkey retrieval in real prose, dense and sparse (each budget) and the window, same samples."""
     env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
     res = needle.run_passkey(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=_pairs(samples),
-                             shares=_floats(shares), fixed_tokens=_ints(fixed), seed=seed, threads=threads,
-                             log_dir=env.work / "logs", progress=info)
+                             shares=fraction_list(shares), fixed_tokens=int_list(fixed), seed=seed,
+                             threads=threads, log_dir=env.work / "logs", progress=info)
     _save(out_dir, name, "passkey", {"command": _command(), "n_generate": 8, **res}, env.meta())
 
 
@@ -327,9 +309,9 @@ def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None
                      fixed: str) -> None:
     """KL(dense || sparse) and top-1 agreement over teacher-forced decode steps of real prose."""
     env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
-    res = needle.run_fidelity(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=_ints(contexts),
-                              shares=_floats(shares), fixed_tokens=_ints(fixed), steps=steps, seed=seed,
-                              threads=threads, log_dir=env.work / "logs", samples=n_texts)
+    res = needle.run_fidelity(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=int_list(contexts),
+                              shares=fraction_list(shares), fixed_tokens=int_list(fixed), steps=steps,
+                              seed=seed, threads=threads, log_dir=env.work / "logs", samples=n_texts)
     _save(out_dir, name, "fidelity", {"command": _command(), **res}, env.meta())
 
 
