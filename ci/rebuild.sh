@@ -15,9 +15,13 @@
 #             test-backend-ops CUDA vs CPU for the sparse ops (device only)
 #   publish   collect manifest, verify report and DSOs in $ARTIFACTS
 #
+# The rebuild stage builds in verify-identical's patched build folder (same flags, same sources): the
+# libraries are compiled once per pipeline run, and the tools and the stamp are added on top.
+#
 # Environment: OPENCOTI (the command, default opencoti-patch), OPENCOTI_WORK (default ./work),
 # ARTIFACTS (default $OPENCOTI_WORK/artifacts), JOBS (ninja -j), CUDA=1 (same as --cuda),
-# CUDA_ARCH (default 90), VERIFY_ARGS / REBUILD_ARGS (extra arguments for those commands).
+# CUDA_ARCH (default 90-real), FETCH_ARGS / VERIFY_ARGS / REBUILD_ARGS (extra arguments for those
+# commands; e.g. FETCH_ARGS="--from DIR" on a machine that cannot download: see docs/usage.md).
 set -euo pipefail
 
 if [ -z "${OPENCOTI:-}" ]; then
@@ -33,7 +37,7 @@ OC=$OPENCOTI
 export OPENCOTI_WORK=${OPENCOTI_WORK:-$PWD/work}
 ARTIFACTS=${ARTIFACTS:-$OPENCOTI_WORK/artifacts}
 CUDA=${CUDA:-0}
-CUDA_ARCH=${CUDA_ARCH:-90}
+CUDA_ARCH=${CUDA_ARCH:-90-real}
 ALL_STAGES=(fetch backup apply markers verify rebuild optests publish)
 
 stages=()
@@ -53,7 +57,8 @@ else
 fi
 JOBS_ARG=()
 [ -n "${JOBS:-}" ] && JOBS_ARG=(-j "$JOBS")
-BUILD_DIR=$OPENCOTI_WORK/build/$LABEL/build
+VERIFY_ROOT=$OPENCOTI_WORK/verify-$LABEL
+BUILD_DIR=$VERIFY_ROOT/patched/build
 TREE=${OPENCOTI_TREE:-$OPENCOTI_WORK/llama.cpp}
 
 stage() {
@@ -64,7 +69,8 @@ stage() {
     echo "stage $1: ok ($((SECONDS - t0)) s)"
 }
 
-stage_fetch()   { if [ -e "$TREE" ]; then echo "tree exists: $TREE (fetch skipped)"; else "$OC" fetch; fi; }
+# shellcheck disable=SC2086
+stage_fetch()   { if [ -e "$TREE" ]; then echo "tree exists: $TREE (fetch skipped)"; else "$OC" fetch ${FETCH_ARGS:-}; fi; }
 stage_backup()  { "$OC" backup; "$OC" backup --verify; }
 stage_apply()   { "$OC" apply; }
 stage_markers() { "$OC" markers --tree "$TREE"; }
@@ -74,11 +80,11 @@ stage_verify() {
     # Accepted here by name; sources, reproducibility and behaviour must PASS.
     # shellcheck disable=SC2086
     "$OC" verify-identical "${GPU[@]}" "${JOBS_ARG[@]}" --accept-not-checked binaries \
-        --report-dir "$ARTIFACTS/verify-$LABEL" ${VERIFY_ARGS:-}
+        --verify-root "$VERIFY_ROOT" --report-dir "$ARTIFACTS/verify-$LABEL" ${VERIFY_ARGS:-}
 }
 stage_rebuild() {
     # shellcheck disable=SC2086
-    "$OC" rebuild "${GPU[@]}" "${JOBS_ARG[@]}" --label "$LABEL" \
+    "$OC" rebuild "${GPU[@]}" "${JOBS_ARG[@]}" --build-root "$VERIFY_ROOT" --label patched \
         --install "$ARTIFACTS/lib-$LABEL" ${REBUILD_ARGS:-}
 }
 stage_optests() {
@@ -96,6 +102,8 @@ stage_optests() {
             grep -Eq '[1-9][0-9]*/[0-9]+ tests passed' "$BUILD_DIR/test-backend-ops-$op.log" \
                 || { echo "test-backend-ops -o $op ran no test"; return 1; }
         done
+        # the side-cache on the GPU after every KV-cache operation, select-all bitwise equal to dense
+        kv_cases "$bin/test-sparse-attn-kv" -g "$BUILD_DIR/test-sparse-attn-kv-cuda.log" || return 1
     fi
     # The CPU kernels against references that do not share their code (test-sparse-attn: sparse FA vs
     # masked dense FA, the ops vs naive loops) and the key-sum side-cache after every KV-cache
@@ -106,11 +114,15 @@ stage_optests() {
     local sbin=$OPENCOTI_WORK/build/selfcheck/build/bin
     "$sbin/test-sparse-attn" 2>&1 | tee "$BUILD_DIR/test-sparse-attn.log" | tail -2
     [ "${PIPESTATUS[0]}" = 0 ] || return 1
-    "$sbin/test-sparse-attn-kv" 2>&1 | tee "$BUILD_DIR/test-sparse-attn-kv.log" | tail -3
-    [ "${PIPESTATUS[0]}" = 0 ] || return 1
+    kv_cases "$sbin/test-sparse-attn-kv" "" "$BUILD_DIR/test-sparse-attn-kv.log"
+}
+kv_cases() { # exe [flag] log: every one of the 28 cases of test-sparse-attn-kv must say OK
     local n_ok
-    n_ok=$(grep -Ec '^(llama|multi-seq|gemma3-iswa) hd=.* OK( |$)' "$BUILD_DIR/test-sparse-attn-kv.log")
-    [ "$n_ok" = 28 ] || { echo "test-sparse-attn-kv: $n_ok of 28 cases OK"; return 1; }
+    # shellcheck disable=SC2086
+    "$1" $2 2>&1 | tee "$3" | tail -3
+    [ "${PIPESTATUS[0]}" = 0 ] || { echo "test-sparse-attn-kv $2 FAILED"; return 1; }
+    n_ok=$(grep -Ec '^(llama|multi-seq|gemma3-iswa) hd=.* OK( |$)' "$3")
+    [ "$n_ok" = 28 ] || { echo "test-sparse-attn-kv $2: $n_ok of 28 cases OK"; return 1; }
 }
 stage_publish() {
     mkdir -p "$ARTIFACTS"

@@ -4,11 +4,17 @@
 # The device machine is bare and offline, and one command may run at most 10 minutes, so the work
 # runs detached (`start`) and is polled (`wait`), and results are copied into $OUT.
 #
-#   ci/device/h200.sh start [STAGES...]   extract + patch + build, write models, run stages (detached)
-#   ci/device/h200.sh wait SECONDS        print progress until done or SECONDS pass; copy results to $OUT
+#   ci/device/h200.sh start [STAGES...]     extract + patch + build, write models, run stages (detached)
+#   ci/device/h200.sh pipeline [STAGES...]  the README's main job on this machine, `ci/rebuild.sh --cuda`
+#                                           (fetch .. verify, rebuild, optests, publish), then the
+#                                           stages on the pipeline's own CUDA build (detached)
+#   ci/device/h200.sh wait SECONDS          print progress until done or SECONDS pass; copy results to $OUT
 #
 # Inputs (carried in the working tree): .carry/llama-src.tar.gz, a slim pinned tree (top folder
 # llama.cpp/) with the patch series already applied, or pristine plus patches/series to apply here.
+# `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch bench pack --rev upstream/<pin>
+# --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
+# .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
 # Stages (default: tests bench budgets bench-q8 bench-14b): also batched, rebuild-cost, test-fa-all
 set -u
 ROOT=$(pwd)
@@ -21,8 +27,8 @@ CUDA=${OPENCOTI_DEVICE_CUDA:-1}          # 0: CPU-only dry run of this script on
 SHAPES=${OPENCOTI_SHAPES:-8b 14b}        # random-weight models to write (opencoti_patch.build.synth_gguf)
 M8B=${OPENCOTI_M8B:-$W/m-8b-q4_0.gguf}
 M14B=${OPENCOTI_M14B:-$W/m-14b-q4_0.gguf}
-NGL=99; BACKEND=CUDA0
-[ "$CUDA" = 1 ] || { NGL=0; BACKEND=CPU; }
+NGL=99; BACKEND=CUDA0; GPU_FLAG=--cuda; PIPE_LABEL=cuda
+[ "$CUDA" = 1 ] || { NGL=0; BACKEND=CPU; GPU_FLAG=; PIPE_LABEL=cpu; }
 
 stage_begin() { echo "$(date +%T) begin $1" >> "$LOG/status"; }
 stage_end()   { echo "$(date +%T) end $1 rc=$2" >> "$LOG/status"; }
@@ -70,13 +76,47 @@ bench() { # name model args...
     run_stage "$name" "$BIN/llama-bench" -m "$model" -ngl $NGL -fa 1 -p 0 -n 64 -o json "$@"
 }
 
+pipeline_env() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$ROOT"/.carry/wheels/*.whl || return 1
+    mkdir -p "$W/pristine" "$W/bin"
+    tar xzf "$ROOT/.carry/llama-pristine.tar.gz" -C "$W/pristine" || return 1
+    printf '#!/bin/sh\nexec python3 -c "import sys; from opencoti_patch.cli import main; sys.exit(main())" "$@"\n' \
+        > "$W/bin/opencoti-patch"
+    chmod +x "$W/bin/opencoti-patch"
+}
+
+# the main job, stage by stage (its own log each); verify may FAIL and the pipeline goes on, so that the
+# report and the later stages still come back
+pipeline() {
+    export PYTHONPATH=$W/site:$ROOT OPENCOTI=$W/bin/opencoti-patch OPENCOTI_WORK=$W/work OPENCOTI_CACHE=$W/cache
+    export ARTIFACTS=$W/artifacts JOBS=$(nproc) FETCH_ARGS="--from $W/pristine/llama.cpp"
+    local s
+    for s in fetch backup apply markers; do
+        run_stage "pipe-$s" bash ci/rebuild.sh $GPU_FLAG "$s" || return 1
+    done
+    run_stage pipe-verify bash ci/rebuild.sh $GPU_FLAG verify
+    run_stage pipe-rebuild bash ci/rebuild.sh $GPU_FLAG rebuild || return 1
+}
+
 start() {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$LOG/gpu.txt" 2>&1
     nvcc --version >> "$LOG/gpu.txt" 2>&1
-    run_stage prepare prepare_src || return 1
-    write_models > "$LOG/models.log" 2>&1 &
-    local models_pid=$!
-    run_stage build build_cuda || return 1
+    if [ "${MODE:-}" = pipeline ]; then
+        run_stage pipe-env pipeline_env || return 1
+        SRC=$W/pristine/llama.cpp # gguf-py for the models
+        write_models > "$LOG/models.log" 2>&1 &
+        local models_pid=$!
+        pipeline || { echo "$(date +%T) ALL DONE (pipeline failed)" >> "$LOG/status"; return 1; }
+        BUILD=$OPENCOTI_WORK/verify-$PIPE_LABEL/patched/build; BIN=$BUILD/bin
+        run_stage build-extra cmake --build "$BUILD" --target llama-batched-bench ${EXTRA_TARGETS:-}
+        run_stage pipe-optests bash ci/rebuild.sh $GPU_FLAG optests
+        run_stage pipe-publish bash ci/rebuild.sh $GPU_FLAG publish
+    else
+        run_stage prepare prepare_src || return 1
+        write_models > "$LOG/models.log" 2>&1 &
+        local models_pid=$!
+        run_stage build build_cuda || return 1
+    fi
     wait $models_pid; echo "models rc=$?" >> "$LOG/status"
     local stages=("$@")
     [ ${#stages[@]} -eq 0 ] && stages=(tests bench budgets bench-q8 bench-14b)
@@ -119,6 +159,18 @@ start() {
 collect() {
     [ -n "${OUT:-}" ] || return 0
     mkdir -p "$OUT"
+    # the pipeline's reports, manifest and test logs (not its DSOs)
+    if [ -d "$W/artifacts" ]; then
+        (cd "$W/artifacts" && find . -type f \( -name '*.md' -o -name '*.json' -o -name '*.log' \) -size -4M \
+            -exec cp --parents {} "$LOG/artifacts/" \;) 2>/dev/null || true
+    fi
+    local f
+    for f in "$W"/work/verify-*/*/runs/*.log "$W"/work/verify-*/*/build/opencoti-build.log; do
+        [ -f "$f" ] || continue
+        local rel=${f#"$W"/work/}
+        mkdir -p "$LOG/work/$(dirname "$rel")"
+        tail -n 300 "$f" > "$LOG/work/$rel"
+    done
     (cd "$W" && tar czf "$OUT/results.tgz" log 2>/dev/null)
 }
 
@@ -127,7 +179,7 @@ wait_for() {
     while [ $((SECONDS - t0)) -lt "$limit" ]; do
         if grep -q "ALL DONE" "$LOG/status" 2>/dev/null; then break; fi
         # a failed prepare/build ends the run: do not wait out the limit
-        if grep -Eq "end (prepare|build) rc=[1-9]" "$LOG/status" 2>/dev/null; then break; fi
+        if grep -Eq "end (prepare|build|pipe-env) rc=[1-9]" "$LOG/status" 2>/dev/null; then break; fi
         sleep 5
     done
     cat "$LOG/status" 2>/dev/null
@@ -137,7 +189,9 @@ wait_for() {
 
 case ${1:-} in
     start) shift; rm -rf "$W"; mkdir -p "$LOG"; setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null & ;;
+    pipeline) shift; rm -rf "$W"; mkdir -p "$LOG/artifacts"
+        MODE=pipeline setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null & ;;
     _run)  shift; start "$@" ;;
     wait)  wait_for "${2:-540}" ;;
-    *) echo "usage: $0 start [stages...] | wait SECONDS" >&2; exit 2 ;;
+    *) echo "usage: $0 start [stages...] | pipeline [stages...] | wait SECONDS" >&2; exit 2 ;;
 esac

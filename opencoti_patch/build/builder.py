@@ -54,8 +54,9 @@ from ..stack.upstream import sha256_file
 # Targets of `rebuild` by default (libggml-base / libggml come with them).
 LIB_TARGETS = ("ggml-base", "ggml", "ggml-cpu", "llama", "llama-common")
 TOOL_TARGETS = ("llama-cli", "llama-server", "llama-bench", "llama-perplexity", "test-backend-ops")
-# Built when the tree defines them (the sparse-attn stack adds it).
-OPTIONAL_TARGETS = ("test-sparse-attn",)
+# Built when the tree defines them (the sparse-attn stack adds them; test-sparse-attn only without
+# GGML_BACKEND_DL, test-sparse-attn-kv also with it: `-g` compares the GPU with the CPU).
+OPTIONAL_TARGETS = ("test-sparse-attn", "test-sparse-attn-kv")
 CUDA_TARGET = "ggml-cuda"
 
 X86_FEATURES = ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI",

@@ -18,7 +18,7 @@ WORKFLOW_OUT = "ci/github/rebuild.yml"
 STAGES = ("fetch", "backup", "apply", "markers", "verify", "rebuild", "optests", "publish")
 
 
-def render_workflow(template_dirs: Sequence[Path], cuda_arch: str = "90", python: str = "3.11",
+def render_workflow(template_dirs: Sequence[Path], cuda_arch: str = "90-real", python: str = "3.11",
                     cpu_timeout: int = 90, gpu_labels: Sequence[str] = ("self-hosted", "linux", "gpu"),
                     ) -> str:
     return render(template_dirs, WORKFLOW_TEMPLATE, stages=STAGES, cuda_arch=cuda_arch, python=python,
@@ -30,7 +30,7 @@ def github_expr(expr: str) -> str:
     return "${{ " + expr + " }}"
 
 
-def write_workflow(path: Path, template_dirs: Sequence[Path], cuda_arch: str = "90",
+def write_workflow(path: Path, template_dirs: Sequence[Path], cuda_arch: str = "90-real",
                    check: bool = False) -> bool:
     """Write the workflow; returns whether it changed. ``check``: write nothing, fail when stale."""
     text = render_workflow(template_dirs, cuda_arch=cuda_arch)

@@ -31,13 +31,15 @@ def bench_group() -> None:
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False),
               default=Path(".carry/llama-src.tar.gz"), show_default=True,
               help="Tarball to write (keep it in a git-ignored folder named in `carry`).")
+@click.option("--rev", help="Pack this commit of the tree instead of its files, e.g. upstream/<pin> for the "
+                           "pristine tree that `ci/rebuild.sh` fetches with FETCH_ARGS='--from DIR' offline.")
 @common_options
-def pack_command(settings: Settings, out: Path) -> None:
+def pack_command(settings: Settings, out: Path, rev: str | None) -> None:
     """Write a slim tarball (no models/docs/examples: ~11 MB) of the patched tree (--tree)."""
     src = settings.tree
     if not (src / "CMakeLists.txt").is_file():
         raise OpencotiError(f"{src} is not a llama.cpp tree (run `{settings.command('prepare')}` first)")
-    path = bench.pack_slim(src, out)
+    path = bench.pack_slim(src, out, rev=rev)
     click.echo(f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 

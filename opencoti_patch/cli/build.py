@@ -230,7 +230,8 @@ def _default_pristine_rev(settings: Settings) -> str:
 @click.command("ci-workflow")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help=f"Output file (default: <root>/{WORKFLOW_OUT}).")
-@click.option("--cuda-arch", default="90", show_default=True)
+@click.option("--cuda-arch", default="90-real", show_default=True,
+              help="CUDA_ARCH of the CUDA job (90-real: SASS only, reproducible).")
 @click.option("--check", is_flag=True, help="Write nothing; exit 4 when the file is not up to date.")
 @common_options
 def ci_workflow_cmd(settings: Settings, out: Path | None, cuda_arch: str, check: bool) -> None:

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..build.builder import export_tree
+
 # Folders of the pinned tree that a CUDA build of the tools does not need (NOTES: 176 MB -> 11 MB).
 SLIM_EXCLUDE = ("models", "docs", "benches", "media", "examples", ".git", "tools/ui/node_modules")
 # ... but CMake wants these to exist.
@@ -28,8 +30,13 @@ def _excluded(rel: str) -> bool:
     return any(rel == ex or rel.startswith(ex + "/") for ex in SLIM_EXCLUDE)
 
 
-def pack_slim(tree: Path, out: Path, top: str = "llama.cpp") -> Path:
-    """Write a gzip tarball of `tree` without the folders the build does not need."""
+def pack_slim(tree: Path, out: Path, top: str = "llama.cpp", rev: str | None = None) -> Path:
+    """Write a gzip tarball of `tree` (its files, or commit `rev` of it) without the folders the build
+    does not need."""
+    if rev is not None:
+        with tempfile.TemporaryDirectory(prefix="opencoti-pack-") as tmp:
+            export_tree(Path(tree), Path(tmp) / top, rev)
+            return pack_slim(Path(tmp) / top, out, top)
     tree = Path(tree)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
