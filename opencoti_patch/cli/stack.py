@@ -25,7 +25,7 @@ from .options import common_options, emit
 
 
 def _upstream(settings: Settings) -> Upstream:
-    return load_upstream(settings.upstream_file)
+    return load_upstream(settings.upstream_file, settings.command)
 
 
 def _outcome_lines(report: apply_mod.Report) -> str:
