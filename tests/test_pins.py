@@ -182,6 +182,9 @@ def test_unknown_pin_says_how_to_add_it(project: Project) -> None:
     out = project.run("prepare", "--pin", "abcdef123", code=1).output
     assert "pin add abcdef123 --git https://github.com/ggml-org/llama.cpp --commit abcdef123" in out
     assert "pin add nope --pypi VERSION" in project.run("fetch", "--pin", "nope", code=1).output
+    # a commit that two pins share names neither
+    project.run("pin", "add", "same", "--git", "https://example.invalid/llama.cpp", "--commit", PIN_A)
+    assert "ambiguous" in project.run("fetch", "--pin", PIN_A[:5], code=1).output
 
 
 def test_pin_list_table(project: Project) -> None:

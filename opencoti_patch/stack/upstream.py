@@ -111,6 +111,9 @@ class Upstream:
         matches = [p for p in self.pins.values() if p.commit.startswith(key) or key.startswith(p.commit)]
         if len(matches) == 1:
             return matches[0]
+        if matches:
+            raise OpencotiError(f"pin {key!r} is ambiguous: the commit of "
+                                f"{', '.join(sorted(p.name for p in matches))}; name one of them")
         raise OpencotiError(f"unknown pin {key!r} (known: {', '.join(sorted(self.pins))}); add it: "
                             f"{pin_add_hint(key, self.command)}")
 
