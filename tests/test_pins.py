@@ -187,9 +187,12 @@ def test_unknown_pin_says_how_to_add_it(project: Project) -> None:
     assert "ambiguous" in project.run("fetch", "--pin", PIN_A[:5], code=1).output
 
 
-def test_pin_list_table(project: Project) -> None:
+def test_pin_list_table_and_help(project: Project) -> None:
     out = project.run("pin", "list").stdout
     assert f"* {PIN_A}" in out and "  bbb2222" in out and "sdist" in out and "(* = default)" in out
+    for sub in ("add", "list"):
+        assert "--patches-dir" in project.run("pin", sub, "--help").stdout
+    assert "pin" in project.run("--help").stdout
 
 
 # -- the pieces --------------------------------------------------------------------------------

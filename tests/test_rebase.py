@@ -38,6 +38,8 @@ def test_abort_after_the_last_skip_until_snapshot(project: Project) -> None:
     out = project.run("rebase", "--abort").stdout
     assert f"aborted; back on {PIN_A}" in out
     assert head(project) == before
+    state = json.loads((project.tree / ".git" / "opencoti" / "state.json").read_text())
+    assert (state["pin"], state["commit"], state["dropped"]) == (PIN_A, PIN_A, [])
     project.run("backup", "--verify")
     project.run("snapshot", "--check")  # nothing is stale: the skip left no trace
     project.run("snapshot")

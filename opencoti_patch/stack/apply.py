@@ -287,8 +287,7 @@ def finish_rebase(tree: Tree) -> dict[str, Any] | None:
     """The snapshot after a done rebase wrote patches/: the rebase is over (no abort any more)."""
     state = rebase_state(tree)
     if state and state.get("done"):
-        _rebase_state_path(tree).unlink()
-        tree.git("update-ref", "-d", "refs/opencoti/pre-rebase", check=False)
+        _rebase_state_path(tree).unlink()  # refs/opencoti/pre-rebase still names the old stack
         return state
     return None
 
@@ -422,8 +421,8 @@ def rebase_abort(tree: Tree) -> dict[str, Any]:
         raise OpencotiError("no rebase in progress (a rebase ends when `snapshot` has rewritten "
                             "patches/; after that, `rebase --to` the old pin)")
     tree.reset_hard(state["orig"], ignored=True)
-    tree.write_state(pin=state["from"], commit=state.get("from_commit"),
-                     dropped=state.get("dropped_before", []))
+    restored = {"commit": state["from_commit"]} if state.get("from_commit") else {}
+    tree.write_state(pin=state["from"], dropped=state.get("dropped_before", []), **restored)
     _rebase_state_path(tree).unlink(missing_ok=True)
     tree.git("update-ref", "-d", "refs/opencoti/pre-rebase", check=False)
     before = state.get("default_before")
