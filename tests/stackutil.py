@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import http.server
 import io
 import os
 import tarfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,18 +46,23 @@ def write_upstream(root: Path, drift: bool = False) -> Path:
     return root
 
 
-def make_sdist(tree: Path, out: Path, top: str = "pkg-1.0", subdir: str = "vendor/llama.cpp") -> str:
-    """Tar ``tree`` as ``top/subdir`` (plus the dangling .git file an sdist carries); sha256."""
+def make_sdist(tree: Path, out: Path, top: str = "pkg-1.0", subdir: str = "vendor/llama.cpp",
+               head: str | None = None) -> str:
+    """Tar ``tree`` as ``top/subdir`` (plus the dangling .git file an sdist carries, and with
+    ``head`` the submodule record ``.git/modules/<subdir>/HEAD`` naming that commit); sha256."""
     with tarfile.open(out, "w:gz") as tar:
         tar.add(tree, arcname=f"{top}/{subdir}")
-        data = b"gitdir: ../../.git/modules/vendor/llama.cpp\n"
-        info = tarfile.TarInfo(f"{top}/{subdir}/.git")
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
-        setup = b"print('setup')\n"
-        info = tarfile.TarInfo(f"{top}/setup.py")
-        info.size = len(setup)
-        tar.addfile(info, io.BytesIO(setup))
+
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+        add(f"{subdir}/.git", b"gitdir: ../../.git/modules/vendor/llama.cpp\n")
+        add("setup.py", b"print('setup')\n")
+        if head is not None:
+            add(".git/HEAD", b"1652066e0af45f2313b339670ef9555e8a54e545\n")  # the package's own commit
+            add(f".git/modules/{subdir}/HEAD", head.encode() + b"\n")
     return hashlib.sha256(out.read_bytes()).hexdigest()
 
 
@@ -97,3 +107,21 @@ class Project:
     def prepared(self) -> Project:
         self.run("prepare")
         return self
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def serve(directory: Path) -> Iterator[str]:
+    """A local HTTP server for ``directory`` (downloads without the network); yields its base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -522,6 +522,7 @@ def test_rebase_abort_and_write_pin(project: Project) -> None:
     project.run("snapshot")
     assert (project.patches / "series").read_text().split()[-1] == "0001-first.patch"
     assert not (project.patches / "0002-second.patch").exists()
+    assert (project.patches / "skipped" / "0002-second.patch").is_file()  # set aside, not deleted
 
 
 # -- CLI surface -------------------------------------------------------------------------------

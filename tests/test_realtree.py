@@ -132,3 +132,16 @@ def test_real_rebase_0336_to_0335(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert status["pin"] == OLD_PIN and len(status["applied"]) == 3
     p.run("unapply")
     assert "worktree: pristine" in p.run("backup", "--verify", "--worktree").stdout
+
+
+def test_real_sdist_names_its_llama_cpp_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pin add --tarball` on the real 0.3.36 sdist finds vendor/llama.cpp and the commit of the pin."""
+    p = _project(tmp_path, monkeypatch, with_series=False)
+    used = p.run("fetch", "--download-only").stdout.strip()  # "pin X: sdist <archive>"
+    archive = used.split(": sdist ", 1)[1]
+    p.run("pin", "add", "again", "--tarball", archive)
+    pins = {r["name"]: r for r in json.loads(p.run("pin", "list", "--json").stdout)["pins"]}
+    assert pins["again"]["commit"].startswith(PIN) and len(pins["again"]["commit"]) == 40
+    source = pins["again"]["sources"][0]
+    assert source["subdir"] == "vendor/llama.cpp"
+    assert source["sha256"] == pins[PIN]["sources"][0]["sha256"]

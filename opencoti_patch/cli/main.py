@@ -8,7 +8,7 @@ import click
 
 from .. import __version__
 from ..errors import OpencotiError
-from . import bench, build, loadtest, markers, quality, selector, stack
+from . import bench, build, loadtest, markers, pin, quality, selector, stack
 
 
 class _Failure(click.ClickException):
@@ -36,7 +36,7 @@ def cli() -> None:
     """
 
 
-for _command in (markers.markers_command, *stack.COMMANDS, *build.COMMANDS, *quality.COMMANDS,
+for _command in (markers.markers_command, *stack.COMMANDS, *pin.COMMANDS, *build.COMMANDS, *quality.COMMANDS,
                  loadtest.loadtest_command, *bench.COMMANDS, *selector.COMMANDS):
     cli.add_command(_command)
 

@@ -25,7 +25,7 @@ from .options import common_options, emit
 
 
 def _upstream(settings: Settings) -> Upstream:
-    return load_upstream(settings.upstream_file)
+    return load_upstream(settings.upstream_file, settings.command)
 
 
 def _outcome_lines(report: apply_mod.Report) -> str:
@@ -265,7 +265,10 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
     patches = load_series(settings.patches_dir)
     with tree_lock(settings):
         if abort:
-            click.echo(f"rebase aborted; back on {apply_mod.rebase_abort(tree)}")
+            aborted = apply_mod.rebase_abort(tree)
+            click.echo(f"rebase onto {aborted['to']} aborted; back on {aborted['from']} and its stack"
+                       + (f"; upstream.toml's default pin is {aborted['default_restored']} again"
+                          if aborted.get("default_restored") else ""))
             return
         if cont:
             report, pending = apply_mod.rebase_continue(tree, patches)
@@ -279,11 +282,15 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
         text += (f"\nresolve the conflicts in the tree, then `{settings.command('rebase --continue')}` "
                  "(or --skip / --abort)")
     else:
-        text += (f"\ndone; run `{settings.command('snapshot')}` to rewrite the patches against the new "
-                 "upstream")
-        if write_pin:
+        text += (f"\ndone; run `{settings.command('snapshot')}` to rewrite the patches against "
+                 f"{report.pin} (until then `{settings.command('rebase --abort')}` goes back)")
+        default = _upstream(settings).default
+        if write_pin and default != report.pin:
             set_default_pin(settings.upstream_file, report.pin)
-            text += f"\n{settings.upstream_file}: default pin is now {report.pin}"
+            text += f"\n{settings.upstream_file}: default pin is now {report.pin} (was {default})"
+        elif default != report.pin:
+            text += (f"\nnote: {report.pin} is not upstream.toml's default pin ({default}); `snapshot` "
+                     f"makes it the default when it writes the patches (they then apply to {report.pin})")
     emit(report.as_dict() | {"pending": bool(pending)}, as_json, text)
     if pending:
         current = pending["current"]

@@ -24,7 +24,7 @@ from ..errors import CheckFailed, OpencotiError, PatchFailed
 from ..report import render
 from .series import Patch, check_exact
 from .tree import Tree, TreeDiff, commit_message
-from .upstream import Pin, Upstream, materialize
+from .upstream import Pin, Upstream, load_upstream, materialize, set_default_pin
 
 CLEAN, MERGED, CONFLICTED, FAILED = "clean", "merged", "conflicted", "failed"
 APPLIED_RE = re.compile(r"^Applied patch to '(.+)' (cleanly|with conflicts)\.$")
@@ -176,9 +176,7 @@ def apply_series(
     if not dry_run:  # leftovers of a killed run (HEAD is its last good patch); whatever is there is kept
         saved = tree.recover_interrupted()
         report.rescued = str(saved) if saved else None
-    if (tree.state_dir / "rebase.json").exists():
-        raise OpencotiError(f"a rebase is in progress: `{tree.settings.command('rebase --continue')}` "
-                            "or `--abort` first")
+    refuse_during_rebase(tree, "apply the series")
     if dry_run:
         if tree.dirty() or tree.uncaptured_commits():
             raise OpencotiError(f"{tree.path} has uncaptured work; apply would refuse (see `status`)")
@@ -224,6 +222,7 @@ def apply_series(
 def unapply(tree: Tree, count: int | None = None, force: bool = False, dry_run: bool = False) -> list[str]:
     """Pop the top ``count`` patches (all when None); returns their names, top first."""
     tree.require()
+    refuse_during_rebase(tree, "unapply")
     if not dry_run:
         tree.recover_interrupted()
         tree.guard_clean("unapply", force)
@@ -260,8 +259,37 @@ def _rebase_state_path(tree: Tree) -> Path:
 
 
 def rebase_state(tree: Tree) -> dict[str, Any] | None:
+    """The rebase in progress: stopped at a conflict (``current``), or ``done`` and waiting for the
+    snapshot that rewrites patches/ (until then it can still be aborted); None: no rebase."""
     path = _rebase_state_path(tree)
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def rebase_waiting(tree: Tree, state: dict[str, Any]) -> str:
+    """Why ``state`` stops a command, and what to run."""
+    cmd = tree.settings.command
+    if state.get("done"):
+        return (f"the rebase onto {state['to']} is done but patches/ still holds the patches against "
+                f"{state['from']}: `{cmd('snapshot')}` rewrites them, or `{cmd('rebase --abort')}` "
+                f"goes back to {state['from']}")
+    current = (state.get("current") or {}).get("patch", "?")
+    return (f"a rebase onto {state['to']} is in progress ({current} conflicted): resolve it and "
+            f"`{cmd('rebase --continue')}`, or `--skip` / `--abort`")
+
+
+def refuse_during_rebase(tree: Tree, action: str) -> None:
+    state = rebase_state(tree)
+    if state:
+        raise OpencotiError(f"cannot {action}: {rebase_waiting(tree, state)}")
+
+
+def finish_rebase(tree: Tree) -> dict[str, Any] | None:
+    """The snapshot after a done rebase wrote patches/: the rebase is over (no abort any more)."""
+    state = rebase_state(tree)
+    if state and state.get("done"):
+        _rebase_state_path(tree).unlink()  # refs/opencoti/pre-rebase still names the old stack
+        return state
+    return None
 
 
 def _save_rebase(tree: Tree, state: dict[str, Any]) -> None:
@@ -298,8 +326,7 @@ def rebase(
 ) -> tuple[Report, dict[str, Any] | None]:
     """Re-apply the series (3-way) on top of ``pin``; stops at the first conflict, resolvable."""
     tree.require()
-    if rebase_state(tree):
-        raise OpencotiError("a rebase is already in progress: use --continue or --abort")
+    refuse_during_rebase(tree, f"rebase onto {pin.name}")
     if pin.name == tree.pin:
         raise OpencotiError(f"the tree is already on {pin.name}")
     tree.guard_clean("rebase", force)
@@ -307,8 +334,11 @@ def rebase(
     orig = tree.head()
     tree.git("update-ref", "refs/opencoti/pre-rebase", orig)
     state: dict[str, Any] = {
-        "from": tree.pin, "to": pin.name, "orig": orig, "current": None,
+        "from": tree.pin, "to": pin.name, "orig": orig, "current": None, "done": False,
         "remaining": [p.name for p in patches], "outcomes": [],
+        "dropped_before": tree.read_state().get("dropped", []),
+        "from_commit": tree.read_state().get("commit"),
+        "default_before": upstream.default,
     }
     tree.reset_hard(pin.tag, ignored=True)
     tree.write_state(pin=pin.name, commit=pin.commit)
@@ -336,7 +366,8 @@ def _rebase_run(
         state["current"] = asdict(outcome)
         _save_rebase(tree, state)
         return _rebase_report(tree, state), state
-    _rebase_state_path(tree).unlink(missing_ok=True)
+    state["done"] = True  # kept until `snapshot` rewrites patches/: `--abort` still goes back
+    _save_rebase(tree, state)
     return _rebase_report(tree, state), None
 
 
@@ -348,10 +379,17 @@ def _rebase_report(tree: Tree, state: dict[str, Any]) -> Report:
     return report
 
 
-def rebase_continue(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str, Any] | None]:
+def _conflicted_state(tree: Tree, step: str) -> dict[str, Any]:
     state = rebase_state(tree)
     if not state:
-        raise OpencotiError("no rebase in progress")
+        raise OpencotiError(f"no rebase in progress (nothing to {step})")
+    if state.get("done") or not state.get("current"):
+        raise OpencotiError(f"nothing to {step}: {rebase_waiting(tree, state)}")
+    return state
+
+
+def rebase_continue(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str, Any] | None]:
+    state = _conflicted_state(tree, "continue")
     by_name = {p.name: p for p in patches}
     name = state["remaining"][0]
     marked = [f for f in (state["current"] or {}).get("files", [])
@@ -375,21 +413,30 @@ def rebase_continue(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str,
     return _rebase_run(tree, patches, state)
 
 
-def rebase_abort(tree: Tree) -> str:
+def rebase_abort(tree: Tree) -> dict[str, Any]:
+    """Back to the old pin and stack (also after the last step, until `snapshot` wrote patches/);
+    returns the state that was aborted."""
     state = rebase_state(tree)
     if not state:
-        raise OpencotiError("no rebase in progress")
+        raise OpencotiError("no rebase in progress (a rebase ends when `snapshot` has rewritten "
+                            "patches/; after that, `rebase --to` the old pin)")
     tree.reset_hard(state["orig"], ignored=True)
-    tree.write_state(pin=state["from"])
+    restored = {"commit": state["from_commit"]} if state.get("from_commit") else {}
+    tree.write_state(pin=state["from"], dropped=state.get("dropped_before", []), **restored)
     _rebase_state_path(tree).unlink(missing_ok=True)
-    return str(state["from"])
+    tree.git("update-ref", "-d", "refs/opencoti/pre-rebase", check=False)
+    before = state.get("default_before")
+    path = tree.settings.upstream_file
+    if before and before != state["to"] and path.is_file() and load_upstream(path).default == state["to"]:
+        set_default_pin(path, before)  # `--write-pin` had moved it
+        state["default_restored"] = before
+    return state
 
 
 def rebase_skip(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str, Any] | None]:
-    """Drop the conflicted patch (the next `snapshot` removes it from the series) and go on."""
-    state = rebase_state(tree)
-    if not state or not state.get("current"):
-        raise OpencotiError("no conflicted rebase step to skip")
+    """Drop the conflicted patch and go on; the next `snapshot` takes it out of the series and sets
+    its file aside in patches/skipped/."""
+    state = _conflicted_state(tree, "skip")
     tree.reset_hard("HEAD")
     outcome = dict(state["current"])
     outcome["status"] = "skipped"

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import DEFAULT_AUTHOR, Settings
 from ..errors import CheckFailed, OpencotiError
-from .apply import CLEAN, apply_one, scratch_index
+from .apply import CLEAN, apply_one, finish_rebase, rebase_state, rebase_waiting, scratch_index
 from .series import (
     PatchHeader,
     check_name,
@@ -35,6 +35,9 @@ from .series import (
     write_series,
 )
 from .tree import Tree, commit_message, parse_message
+from .upstream import load_upstream, set_default_pin
+
+SKIPPED_DIR = "skipped"  # patches/skipped/: the files of patches a rebase skipped, with a note each
 
 DIFF_OPTIONS = (
     "--full-index", "--binary", "--no-renames", "--no-color", "--no-ext-diff", "--no-textconv",
@@ -71,6 +74,9 @@ class SnapshotResult:
     stale: list[str] = field(default_factory=list)
     roundtrip: RoundTrip | None = None
     marked: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # set aside in patches/skipped/ (a rebase skipped them)
+    rebased_onto: str | None = None  # the done rebase this snapshot finished
+    default_pin: str | None = None  # "NEW (was OLD)" when it moved upstream.toml's default to NEW
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -177,8 +183,9 @@ def snapshot(
     """Write the tree's patch commits (and edits) back into patches/: plan the entries, number the
     new ones, render them, then (unless ``check``) stage, prove and swap in, and rewrite the commits."""
     tree.require()
-    if (tree.state_dir / "rebase.json").exists():
-        raise OpencotiError("a rebase is in progress: finish it (`rebase --continue`) before a snapshot")
+    rebasing = rebase_state(tree)
+    if rebasing and not rebasing.get("done"):
+        raise OpencotiError(f"cannot snapshot: {rebase_waiting(tree, rebasing)}")
     series = read_series(tree.settings.patches_dir)
     applied_before = [c.patch for c in tree.stack() if c.patch is not None]
     dropped = [n for n in tree.read_state().get("dropped", []) if n not in applied_before]
@@ -194,20 +201,53 @@ def snapshot(
     result = SnapshotResult(folded_into=folded, created=_number_new(entries, series))
     rendered = _render(tree, entries, result)
     names = [e.name or "" for e, _ in rendered]
-    result.removed = sorted(set(result.removed) | {n for n in applied_before + dropped if n not in names})
+    result.removed = sorted(set(result.removed) | {n for n in applied_before if n not in names})
+    result.skipped = [n for n in dropped if n not in names]
     result.series = names + [n for n in unapplied if n not in names]
     for e, data in rendered:
         path = tree.settings.patches_dir / (e.name or "")
         (result.unchanged if path.is_file() and path.read_bytes() == data else result.written).append(
             e.name or "")
     if check:
-        result.stale = sorted(set(result.written) | set(result.removed)
+        result.stale = sorted(set(result.written) | set(result.removed) | set(result.skipped)
                               | ({"series"} if result.series != series else set()))
         return result
     final_tree = entries[-1].tree if entries else _tree_of(tree, tree.tag)
-    _stage_prove_and_swap(tree, rendered, result, final_tree, verify)
+    _stage_prove_and_swap(tree, rendered, result, final_tree, verify, rebasing)
     _rewrite_commits(tree, [e for e, _ in rendered])
+    finished = finish_rebase(tree)
+    if finished:
+        result.rebased_onto = str(finished["to"])
+        result.default_pin = _follow_default(tree, result.rebased_onto)
     return result
+
+
+def _follow_default(tree: Tree, pin: str) -> str | None:
+    """patches/ now applies to ``pin``: make it upstream.toml's default, so `prepare` on a fresh
+    checkout gets the upstream the patches were written against. Returns "NEW (was OLD)"."""
+    path = tree.settings.upstream_file
+    default = load_upstream(path).default
+    if default == pin:
+        return None
+    set_default_pin(path, pin)
+    return f"{pin} (was {default})"
+
+
+def _skip_note(name: str, rebasing: dict[str, Any] | None) -> tuple[str, str]:
+    """The note beside a set-aside patch file, and the comment that replaces it in the series."""
+    if not rebasing:
+        return (f"{name} was skipped in a rebase and set aside here by `snapshot`.\n",
+                f"# {name}: skipped in a rebase; kept in {SKIPPED_DIR}/{name}")
+    outcome = next((o for o in rebasing.get("outcomes", []) if o.get("patch") == name), {})
+    files = ", ".join(outcome.get("files") or []) or "?"
+    note = (f"{name} was skipped in `rebase --to {rebasing['to']}` (from {rebasing['from']}): it "
+            f"conflicted in {files}.\n"
+            f"`snapshot` took it out of the series and kept its file here, as it was against "
+            f"{rebasing['from']}.\n"
+            f"To bring it back, port it onto {rebasing['to']} in the tree (e.g. `git apply --3way` of "
+            f"this file, or by hand) and capture it with `opencoti-patch snapshot --new NAME`.\n")
+    return note, (f"# {name}: skipped in the rebase onto {rebasing['to']} (conflicted in {files}); "
+                  f"kept in {SKIPPED_DIR}/{name}")
 
 
 def _number_new(entries: list[Entry], series: list[str]) -> list[str]:
@@ -241,8 +281,9 @@ def _render(tree: Tree, entries: list[Entry], result: SnapshotResult) -> list[tu
 
 
 def _stage_prove_and_swap(tree: Tree, rendered: list[tuple[Entry, bytes]], result: SnapshotResult,
-                          final_tree: str, verify: bool) -> None:
-    """Render the new patches/ into a staging copy, prove the round trip from it, then swap it in."""
+                          final_tree: str, verify: bool, rebasing: dict[str, Any] | None = None) -> None:
+    """Render the new patches/ into a staging copy, prove the round trip from it, then swap it in.
+    Skipped patches are moved to ``skipped/`` with a note, and leave a comment in the series."""
     patches_dir = tree.settings.patches_dir
     names = [e.name or "" for e, _ in rendered]
     with staged_patches_dir(patches_dir) as staging:
@@ -252,7 +293,16 @@ def _stage_prove_and_swap(tree: Tree, rendered: list[tuple[Entry, bytes]], resul
         for name in result.removed:
             if name not in names:
                 (staging / name).unlink(missing_ok=True)
-        write_series(staging, result.series)
+        comments = []
+        for name in result.skipped:
+            note, comment = _skip_note(name, rebasing)
+            aside = staging / SKIPPED_DIR
+            aside.mkdir(exist_ok=True)
+            if (staging / name).is_file():
+                (staging / name).replace(aside / name)
+            (aside / f"{name}.note").write_text(note, encoding="utf-8")
+            comments.append(comment)
+        write_series(staging, result.series, tuple(comments))
         if verify:
             result.roundtrip = prove_round_trip(tree, names, staging, final_tree)
             if not result.roundtrip.ok:
@@ -329,10 +379,18 @@ def summary(result: SnapshotResult, patches_dir: Path) -> str:
                          ("removed", result.removed), ("unchanged", result.unchanged)):
         if items:
             lines.append(f"{label}: {', '.join(items)}")
+    if result.skipped:
+        lines.append(f"set aside (skipped in the rebase): {', '.join(result.skipped)} -> "
+                     f"{patches_dir / SKIPPED_DIR}/ (each with a .note), out of the series")
     lines.append(f"series: {len(result.series)} patch(es) in {patches_dir / 'series'}")
     rt = result.roundtrip
     if rt is not None:
         lines.append(f"round trip OK: pristine + series = tree {rt.actual[:12]} (byte-identical re-apply)")
+    if result.rebased_onto:
+        lines.append(f"the rebase onto {result.rebased_onto} is finished (patches/ is written against it)")
+    if result.default_pin:
+        lines.append(f"upstream.toml: default pin is now {result.default_pin}, the upstream the patches "
+                     "apply to")
     if result.marked:
         lines.append(f"markers added in {', '.join(result.marked)}: capture them with `snapshot --top`")
     return "\n".join(lines)

@@ -173,12 +173,22 @@ def read_series(patches_dir: Path) -> list[str]:
     return names
 
 
-def write_series(patches_dir: Path, names: list[str]) -> None:
+SERIES_HEADER = (
+    "# Patches applied in this order on top of the pinned upstream (see upstream.toml).",
+    "# Managed by `opencoti-patch snapshot`; one NNNN-name.patch per line.",
+)
+
+
+def write_series(patches_dir: Path, names: list[str], comments: tuple[str, ...] = ()) -> None:
+    """Write ``series``: the header, the comment lines it already had (kept, after the header) plus
+    ``comments``, then ``names``."""
     patches_dir.mkdir(parents=True, exist_ok=True)
-    text = "# Patches applied in this order on top of the pinned upstream (see upstream.toml).\n"
-    text += "# Managed by `opencoti-patch snapshot`; one NNNN-name.patch per line.\n"
-    text += "".join(n + "\n" for n in names)
-    (patches_dir / "series").write_text(text, encoding="utf-8")
+    path = patches_dir / "series"
+    old = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    kept = [ln.strip() for ln in old if ln.lstrip().startswith("#") and ln.strip() not in SERIES_HEADER]
+    kept += [c for c in comments if c not in kept]
+    lines = [*SERIES_HEADER, *kept, *names]
+    path.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8")
 
 
 def load_series(patches_dir: Path) -> list[Patch]:

@@ -59,7 +59,11 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
     data["interrupted"] = tree.interrupted()
     rebasing = rebase_state(tree)
     if rebasing:
-        data["rebase"] = {"to": rebasing["to"], "current": (rebasing.get("current") or {}).get("patch")}
+        current = rebasing.get("current") or {}
+        skipped = [o["patch"] for o in rebasing.get("outcomes", []) if o.get("status") == "skipped"]
+        data["rebase"] = {"to": rebasing["to"], "from": rebasing.get("from"), "current": current.get("patch"),
+                          "files": current.get("files", []), "done": bool(rebasing.get("done")),
+                          "skipped": skipped, "remaining": rebasing.get("remaining", [])[1:]}
     return data
 
 
@@ -75,4 +79,8 @@ def stale_against_series(tree: Tree) -> list[str]:
         problems.append(f"{len(data['dirty'])} uncaptured edit(s) ({data['dirty'][0].strip()}, ...)")
     if [a["name"] for a in data["applied"]] != series[: len(data["applied"])]:
         problems.append("the applied patches are not the series' order")
+    if data["rebase"]:
+        problems.append(f"a rebase onto {data['rebase']['to']} is not finished (`snapshot` writes its "
+                        "patches)" if data["rebase"]["done"] else
+                        f"a rebase onto {data['rebase']['to']} stopped at a conflict")
     return problems

@@ -18,10 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ARCHIVE_KINDS = ("sdist", "tarball")
+LLAMA_CPP_GIT = "https://github.com/ggml-org/llama.cpp"
 KINDS = (*ARCHIVE_KINDS, "git", "dir")
 CHUNK = 1 << 20
 
@@ -80,11 +83,26 @@ class Pin:
         return TAG_PREFIX + self.name
 
 
+def plain_command(args: str) -> str:
+    return f"opencoti-patch {args}"
+
+
+def pin_add_hint(name: str, command: Callable[[str], str] = plain_command) -> str:
+    """What to run to define pin ``name`` (a version-like name suggests the sdist of that version)."""
+    if re.fullmatch(r"\d+(\.\d+)+", name):
+        return f"`{command(f'pin add {name} --pypi {name}')}`"
+    if re.fullmatch(r"[0-9a-f]{7,40}", name):
+        return f"`{command(f'pin add {name} --git {LLAMA_CPP_GIT} --commit {name}')}`"
+    return (f"`{command(f'pin add {name} --pypi VERSION')}` (or --git URL --commit SHA, "
+            "--tarball URL|FILE, --dir DIR)")
+
+
 @dataclass(frozen=True)
 class Upstream:
     default: str
     pins: dict[str, Pin]
     base: Path  # folder relative ``path`` values are resolved against
+    command: Callable[[str], str] = plain_command  # how printed commands are spelled
 
     def pin(self, name: str | None) -> Pin:
         key = name or self.default
@@ -93,7 +111,11 @@ class Upstream:
         matches = [p for p in self.pins.values() if p.commit.startswith(key) or key.startswith(p.commit)]
         if len(matches) == 1:
             return matches[0]
-        raise OpencotiError(f"unknown pin {key!r}; known: {', '.join(sorted(self.pins))}")
+        if matches:
+            raise OpencotiError(f"pin {key!r} is ambiguous: the commit of "
+                                f"{', '.join(sorted(p.name for p in matches))}; name one of them")
+        raise OpencotiError(f"unknown pin {key!r} (known: {', '.join(sorted(self.pins))}); add it: "
+                            f"{pin_add_hint(key, self.command)}")
 
 
 def _source(raw: dict[str, Any], where: str) -> Source:
@@ -120,11 +142,18 @@ def _source(raw: dict[str, Any], where: str) -> Source:
     return src
 
 
-def load_upstream(path: Path) -> Upstream:
+def load_upstream(path: Path, command: Callable[[str], str] = plain_command) -> Upstream:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError as exc:
         raise OpencotiError(f"{path} not found: it names the pinned upstream") from exc
+    return parse_upstream(text, path, command)
+
+
+def parse_upstream(text: str, path: Path, command: Callable[[str], str] = plain_command) -> Upstream:
+    """The pins of an upstream.toml text (``path``: where it lives, for messages and relative paths)."""
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise OpencotiError(f"{path}: invalid TOML ({exc})") from exc
     pins: dict[str, Pin] = {}
@@ -147,7 +176,7 @@ def load_upstream(path: Path) -> Upstream:
     default = str(data.get("default", next(iter(pins))))
     if default not in pins:
         raise OpencotiError(f"{path}: default pin {default!r} is not defined")
-    return Upstream(default=default, pins=pins, base=path.parent)
+    return Upstream(default=default, pins=pins, base=path.parent, command=command)
 
 
 def set_default_pin(path: Path, name: str) -> None:
@@ -178,8 +207,10 @@ def _check_sha(path: Path, expected: str, what: str) -> None:
         )
 
 
-def download(url: str, dest: Path, expected_sha: str, progress: bool = True, timeout: float = 60) -> Path:
-    """Stream ``url`` to ``dest`` (via ``dest.part``), checking the sha256 before it lands."""
+def download(url: str, dest: Path, expected_sha: str | None, progress: bool = True,
+             timeout: float = 60) -> Path:
+    """Stream ``url`` to ``dest`` (via ``dest.part``), checking the sha256 (when one is expected)
+    before it lands."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     digest = hashlib.sha256()
@@ -194,7 +225,7 @@ def download(url: str, dest: Path, expected_sha: str, progress: bool = True, tim
                     digest.update(chunk)
                     bar.update(len(chunk))
         actual = digest.hexdigest()
-        if actual != expected_sha.lower():
+        if expected_sha is not None and actual != expected_sha.lower():
             raise ShaMismatch(
                 f"sha256 mismatch for {url}: expected {expected_sha}, got {actual}; nothing extracted"
             )
@@ -204,6 +235,22 @@ def download(url: str, dest: Path, expected_sha: str, progress: bool = True, tim
     finally:
         part.unlink(missing_ok=True)
     return dest
+
+
+def cache_name(sha256: str, filename: str) -> str:
+    """The download cache names an archive by its full sha256 (two archives never share a file)."""
+    return f"{sha256.lower()}-{filename}"
+
+
+def download_to_cache(url: str, settings: Settings, progress: bool = True) -> tuple[Path, str]:
+    """Download an archive whose sha256 is not known yet into the cache; (its path, its sha256)."""
+    filename = Source(kind="tarball", url=url).filename or "archive.tar.gz"
+    incoming = settings.cache_dir / f".incoming-{os.getpid()}-{filename}"
+    download(url, incoming, None, progress=progress)
+    sha = sha256_file(incoming)
+    cached = settings.cache_dir / cache_name(sha, filename)
+    incoming.replace(cached)
+    return cached, sha
 
 
 def _local_candidate(src: Source) -> Path | None:
@@ -251,7 +298,7 @@ def fetch_archive(src: Source, settings: Settings, progress: bool = True) -> Pat
         hint = f" (${src.env} is not set)" if src.env and not os.environ.get(src.env) else ""
         raise OpencotiError(f"{src.kind} source: no local copy{hint} and no url; pass --from FILE")
     # named by the full sha256: two archives never share a cache file (a 16-digit prefix could)
-    cached = settings.cache_dir / f"{src.sha256.lower()}-{src.filename}"
+    cached = settings.cache_dir / cache_name(src.sha256, src.filename or "")
     legacy = settings.cache_dir / f"{src.sha256.lower()[:16]}-{src.filename}"
     for candidate in (cached, legacy):
         if candidate.is_file() and sha256_file(candidate) == src.sha256.lower():

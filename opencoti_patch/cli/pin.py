@@ -1,0 +1,107 @@
+"""Click commands of `pin`: add a pinned upstream to upstream.toml from one source, list the pins.
+The work lives in stack/pins.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..config import TAG_PREFIX, Settings
+from ..errors import OpencotiError
+from ..report import info
+from ..stack import pins as pins_mod
+from ..stack.tree import Tree
+from ..stack.upstream import load_upstream
+from .options import common_options, emit
+
+
+@click.group("pin")
+def pin_group() -> None:
+    """The pinned upstream trees of upstream.toml: add one (`pin add`), list them (`pin list`)."""
+
+
+@pin_group.command("add")
+@click.argument("name")
+@click.option("--pypi", "version", metavar="VERSION",
+              help="The llama-cpp-python sdist of this version from the package index.")
+@click.option("--git", "git_url", metavar="URL", help="A git repository (with --commit).")
+@click.option("--tarball", metavar="URL|FILE", help="A tar archive by URL (downloaded to the cache) or file.")
+@click.option("--dir", "folder", type=click.Path(file_okay=False, path_type=Path),
+              help="A local folder holding the pristine tree (no sha256).")
+@click.option("--commit", metavar="SHA",
+              help="The llama.cpp commit (required with --git; else read from the source where it can).")
+@click.option("--subdir", metavar="PATH",
+              help="The llama.cpp folder inside the source (default: vendor/llama.cpp for an sdist, "
+                   "else the whole source; '' forces the whole source).")
+@click.option("--sha256", metavar="HEX", help="With --tarball: the sha256 the archive must have.")
+@click.option("--description", help="Description of the pin (default: says where it came from).")
+@click.option("--default", "make_default", is_flag=True, help="Make it upstream.toml's default pin.")
+@click.option("--force", is_flag=True, help="Replace a pin of that name.")
+@click.option("--no-progress", is_flag=True, help="No download progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@common_options
+def pin_add_cmd(settings: Settings, name: str, version: str | None, git_url: str | None,
+                tarball: str | None, folder: Path | None, commit: str | None, subdir: str | None,
+                sha256: str | None, description: str | None, make_default: bool, force: bool,
+                no_progress: bool, as_json: bool) -> None:
+    """Add pin NAME to upstream.toml from exactly one source, recording its sha256 and llama.cpp commit.
+
+    The new [pins.NAME] table is appended as text (comments and order of the file are kept). Then
+    `rebase --to NAME` moves the series onto it, or `prepare --pin NAME` builds a fresh tree.
+    """
+    given = [opt for opt, value in (("--pypi", version), ("--git", git_url), ("--tarball", tarball),
+                                    ("--dir", folder)) if value is not None]
+    if len(given) != 1:
+        raise click.UsageError("give exactly one source: --pypi VERSION, --git URL --commit SHA, "
+                               f"--tarball URL|FILE or --dir DIR (got {', '.join(given) or 'none'})")
+    if git_url is not None and not commit:
+        raise click.UsageError("--git needs --commit SHA (the llama.cpp commit to pin)")
+    if sha256 is not None and tarball is None:
+        raise click.UsageError("--sha256 goes with --tarball (the other sources know their own)")
+    pins_mod.check_pin_name(name)
+    sha = pins_mod.check_commit(commit) if commit else None
+    upstream_file = settings.upstream_file
+    existing = load_upstream(upstream_file, settings.command)
+    if name in existing.pins and not force:
+        raise OpencotiError(f"pin {name} already exists in {upstream_file.name} "
+                            f"(`{settings.command('pin list')}`); pass --force to replace it")
+    progress = not no_progress
+    if version is not None:
+        new = pins_mod.pin_from_pypi(name, version, settings, subdir, sha, progress)
+    elif git_url is not None:
+        assert sha is not None
+        new = pins_mod.pin_from_git(name, git_url, sha, subdir)
+    elif tarball is not None:
+        new = pins_mod.pin_from_tarball(name, tarball, settings, subdir, sha, sha256, progress)
+    else:
+        assert folder is not None
+        new = pins_mod.pin_from_dir(name, folder, settings, subdir, sha)
+    if description is not None:
+        new.description = description
+    pins_mod.announce(new)
+    upstream = pins_mod.add_pin(upstream_file, new, force=force, make_default=make_default)
+    tree = Tree(settings)
+    if name in existing.pins and tree.is_repo() and tree.rev(TAG_PREFIX + name):
+        info(f"note: {settings.tree} still holds {TAG_PREFIX}{name} from the old definition; a rebase "
+             "onto it uses that one (remove the tree, or pick a new name, to use the new source)")
+    text = (f"added pin {name} (llama.cpp {new.commit}) to {upstream_file}"
+            + "".join(f"\n  {s['kind']} {s.get('url') or s.get('path')}"
+                      + (f" (sha256 {s['sha256']})" if s.get("sha256") else "") for s in new.sources)
+            + (f"\n  default pin: {upstream.default}" if make_default else "")
+            + f"\nnext: `{settings.command('rebase --to ' + name)}` (the tree onto it), or "
+            f"`{settings.command('prepare --pin ' + name)}` for a fresh tree")
+    emit(new.as_dict() | {"default": upstream.default}, as_json, text)
+
+
+@pin_group.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@common_options
+def pin_list_cmd(settings: Settings, as_json: bool) -> None:
+    """The pins of upstream.toml: name, default mark, llama.cpp commit, sources with sha256."""
+    upstream = load_upstream(settings.upstream_file, settings.command)
+    rows = pins_mod.pin_rows(upstream)
+    emit({"default": upstream.default, "pins": rows}, as_json, pins_mod.format_rows(rows))
+
+
+COMMANDS = [pin_group]
