@@ -252,3 +252,29 @@ def test_the_lexers_scanner_core() -> None:
     assert skip_open('a\\"b', 0, '"', escapes=False) == (3, True)  # raw: the backslash is text
     assert skip_open("x ]==] y", 0, "]==]") == (6, True)
     assert skip_open("no end", 0, "*/") == (6, False)
+
+
+# -- review of issue 14: Tree owns the fetch record, the rev's staleness, one applier -------------------
+
+
+def test_the_tree_owns_the_fetch_record(project: Project) -> None:
+    from opencoti_patch.config import Settings
+    from opencoti_patch.stack.tree import Tree
+    from opencoti_patch.stack.upstream import load_upstream
+
+    settings = Settings.resolve()
+    tree = Tree(settings)
+    project.run("fetch", "--pin", PIN_B)
+    assert tree.fetch_record == project.tree.parent / f".{project.tree.name}.fetched.json"
+    assert json.loads(tree.fetch_record.read_text())["pin"] == PIN_B
+    assert tree.fetched_pin(load_upstream(settings.upstream_file)).name == PIN_B
+    with pytest.raises(OpencotiError, match=f"fetched as pin {PIN_B}"):
+        tree.fetched_pin(load_upstream(settings.upstream_file), PIN_A)
+
+
+def test_rebase_leaves_no_fetch_record_of_its_scratch_import(project: Project) -> None:
+    two_patches(project)
+    project.run("rebase", "--to", PIN_B, code=3)
+    project.run("rebase", "--abort")
+    hidden = sorted(p.name for p in project.tree.parent.iterdir() if p.name.startswith("."))
+    assert hidden == [f".{project.tree.name}.fetched.json", f".{project.tree.name}.lock"], hidden

@@ -9,6 +9,10 @@ Layout of ``<tree>/.git``:
   touched anything), and the git tree id of the upstream commit.
 - ``opencoti/state.json``: the pin the tree is on; ``opencoti/txn``: present while an apply runs.
 
+Before the backup there is no ``.git``: ``fetch`` records the pin it put there beside the tree
+(``.<tree>.fetched.json``), and ``backup`` reads it. ``Tree`` owns all of it: the repository, its
+state files, the fetch record and so the pin.
+
 Every git call runs with the user's and system git config ignored, line-ending and filter
 attributes off (``info/attributes``) and fixed identity/dates, so the backup and the patch commits
 are byte-exact and the same on every machine.
@@ -50,7 +54,7 @@ from ..config import (
 from ..errors import CheckFailed, LockBusy, OpencotiError
 from ..report import info
 from .series import FIELD_RE, PatchHeader
-from .upstream import Pin
+from .upstream import Pin, Upstream, materialize
 
 ATTRIBUTES = "* -text -filter -ident -working-tree-encoding\n"
 REPO_CONFIG = {
@@ -344,6 +348,31 @@ class Tree:
     @property
     def tag(self) -> str:
         return TAG_PREFIX + self.pin
+
+    # -- fetch: the tree folder before it is a repository ------------------------------------------
+
+    @property
+    def fetch_record(self) -> Path:
+        """Beside the tree: which pin ``fetch`` put there (``backup`` reads it)."""
+        return self.path.parent / f".{self.path.name}.fetched.json"
+
+    def fetch(self, pin: Pin, upstream: Upstream, from_file: Path | None = None, progress: bool = True,
+              download_only: bool = False) -> str:
+        """Put the pristine tree of ``pin`` at the tree folder and record the pin; returns the source."""
+        used = materialize(pin, upstream, self.settings, self.path, from_file, progress=progress,
+                           download_only=download_only)
+        if not download_only:
+            self.fetch_record.write_text(json.dumps({"pin": pin.name, "source": used}, indent=1) + "\n")
+        return used
+
+    def fetched_pin(self, upstream: Upstream, requested: str | None = None) -> Pin:
+        """The pin to back the fetched tree up as: what fetch recorded, checked against ``requested``."""
+        record = self.fetch_record
+        fetched = json.loads(record.read_text()).get("pin") if record.is_file() else None
+        if requested and fetched and requested != fetched:
+            raise OpencotiError(f"{self.path} was fetched as pin {fetched}, not {requested}: remove it and "
+                                f"fetch --pin {requested}, or back it up as {fetched}")
+        return upstream.pin(requested or fetched)
 
     def require(self) -> None:
         if not self.exists():

@@ -16,7 +16,6 @@ A sha256 mismatch is an error (nothing is extracted), never a reason to try the 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -292,25 +291,6 @@ def check_source_dir(folder: Path, pin: Pin, dest: Path) -> None:
          "sha256; it is taken as that pin's pristine tree as it is")
 
 
-def fetch_record(dest: Path) -> Path:
-    """Beside the tree: which pin ``fetch`` put there (``backup`` reads it)."""
-    return dest.parent / f".{dest.name}.fetched.json"
-
-
-def record_fetch(dest: Path, pin: Pin, used: str) -> None:
-    fetch_record(dest).write_text(json.dumps({"pin": pin.name, "source": used}, indent=1) + "\n")
-
-
-def fetched_pin(upstream: Upstream, dest: Path, requested: str | None) -> Pin:
-    """The pin of a fetched (not yet backed-up) tree: what fetch recorded, checked against --pin."""
-    record = fetch_record(dest)
-    fetched = json.loads(record.read_text()).get("pin") if record.is_file() else None
-    if requested and fetched and requested != fetched:
-        raise OpencotiError(f"{dest} was fetched as pin {fetched}, not {requested}: remove it and "
-                            f"fetch --pin {requested}, or back it up as {fetched}")
-    return upstream.pin(requested or fetched)
-
-
 def _drop(root: Path, rel: str) -> None:
     target = root / rel
     if target.is_symlink() or target.is_file():
@@ -415,7 +395,6 @@ def materialize(
             continue
         for rel in exclude:  # git/dir sources, and a top-level .git the archive filter did not see
             _drop(dest, rel)
-        record_fetch(dest, pin, used)
         return used
     raise OpencotiError(
         f"no source of pin {pin.name} worked ({'; '.join(errors) or 'none applicable'}); "
