@@ -278,3 +278,24 @@ def test_rebase_leaves_no_fetch_record_of_its_scratch_import(project: Project) -
     project.run("rebase", "--abort")
     hidden = sorted(p.name for p in project.tree.parent.iterdir() if p.name.startswith("."))
     assert hidden == [f".{project.tree.name}.fetched.json", f".{project.tree.name}.lock"], hidden
+
+
+def test_rebuild_rev_is_checked_against_the_series_too(project: Project) -> None:
+    """`rebuild --rev REV` builds that commit: it must carry exactly the series of patches/."""
+    from opencoti_patch.cli.build import _pin_and_staleness
+    from opencoti_patch.config import Settings
+
+    two_patches(project)
+    project.edit("src/b.h", "int c(void);", "int c(void); // not captured")  # not in the commit built
+    assert _pin_and_staleness(Settings.resolve(), None, "HEAD") == (PIN_A, [])
+    assert _pin_and_staleness(Settings.resolve(), None, "HEAD~1")[1] == ["0002-second.patch: not applied"]
+    stale = _pin_and_staleness(Settings.resolve(), None, f"upstream/{PIN_A}")[1]
+    assert stale == ["0001-first.patch: not applied", "0002-second.patch: not applied"]
+    result = project.run("rebuild", "--no-cuda", "--rev", "HEAD~1", code=4)
+    assert "stale against" in result.output and "0002-second.patch: not applied" in result.output
+    patch = project.patches / "0002-second.patch"
+    patch.write_bytes(patch.read_bytes().replace(b"second: edit a and b", b"second: edited since"))
+    assert _pin_and_staleness(Settings.resolve(), None, "HEAD")[1] == [
+        "0002-second.patch: file changed since applied"]
+    result = project.run("rebuild", "--no-cuda", "--rev", "nosuchrev", code=1)
+    assert "--rev nosuchrev: no such commit" in result.output

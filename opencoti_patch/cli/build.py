@@ -119,12 +119,13 @@ def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, allow_stal
 
 
 def _pin_and_staleness(settings: Settings, pin: str | None, rev: str | None) -> tuple[str, list[str]]:
-    """The stamp's pin is the Tree's; the stamp's fingerprint is patches/, so the tree must match it."""
+    """The stamp's pin is the Tree's; the stamp's fingerprint is patches/, so the tree (or the commit
+    ``rev`` of it that is built) must match it."""
     tree = Tree(settings)
     if tree.is_repo() and tree.read_state().get("pin"):
         if pin and pin != tree.pin:
             raise OpencotiError(f"--pin {pin}: {settings.tree} was backed up as pin {tree.pin}")
-        stale = stale_against_series(tree) if rev is None else []
+        stale = stale_against_series(tree, rev)
         return tree.pin, stale
     if not pin:
         raise OpencotiError(f"{settings.tree} is not a tree opencoti-patch backed up: "

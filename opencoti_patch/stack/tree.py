@@ -520,10 +520,10 @@ class Tree:
         out = self.git("status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames").text
         return [item for item in out.split("\0") if item]
 
-    def stack(self) -> list[StackCommit]:
-        """Commits from the pristine upstream to HEAD, oldest first."""
+    def stack(self, rev: str = "HEAD") -> list[StackCommit]:
+        """Commits from the pristine upstream to ``rev`` (default HEAD), oldest first."""
         tag = self.tag
-        revs = self.git("rev-list", "--reverse", "--parents", f"{tag}..HEAD").text.split("\n")
+        revs = self.git("rev-list", "--reverse", "--parents", f"{tag}..{rev}").text.split("\n")
         commits = []
         for line in filter(None, revs):
             sha, *parents = line.split()
@@ -532,8 +532,8 @@ class Tree:
             message = self.git("show", "-s", "--format=%B", sha).text
             _, patch, patch_sha = parse_message(message)
             commits.append(StackCommit(sha, message, patch, patch_sha))
-        if commits and self.git("merge-base", "--is-ancestor", tag, "HEAD", check=False).rc != 0:
-            raise OpencotiError(f"{self.path}: HEAD is not on top of {tag}")
+        if commits and self.git("merge-base", "--is-ancestor", tag, rev, check=False).rc != 0:
+            raise OpencotiError(f"{self.path}: {rev} is not on top of {tag}")
         return commits
 
     def author_of(self, sha: str) -> str:
