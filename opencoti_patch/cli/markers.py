@@ -10,10 +10,10 @@ import click
 
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError, UsageProblem
-from ..markers.audit import audit, diff_patch, format_report
+from ..markers.audit import audit, format_report
 from ..markers.fix import fix_tree
 from ..report import info
-from ..stack.series import Patch, load_series, read_series
+from ..stack.series import Patch, diff_patch, load_series, read_series
 from ..stack.tree import Tree, tree_lock
 from .options import common_options
 
