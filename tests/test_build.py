@@ -129,7 +129,12 @@ def test_export_rev_and_changed_files(repo: Path, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ cmake args + helpers
 
 
-def test_cmake_args_reproducible_defaults(tmp_path: Path) -> None:
+def test_cmake_args_reproducible_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "fakebin" / "ccache"  # ccache counts only where it is installed
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexec \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     src, build = tmp_path / "s", tmp_path / "b"
     opts = b.BuildOptions(build_commit="pin+fp", cpu_variant="haswell", ccache=True)
     args = b.cmake_args(src, build, opts, build / ".opencoti")

@@ -17,7 +17,6 @@ from ..build.builder import (
     OPTIONAL_TARGETS,
     TOOL_TARGETS,
     BuildOptions,
-    have_ccache,
     have_gpu,
     rebuild,
 )
@@ -97,7 +96,7 @@ def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, allow_stal
     opts = BuildOptions(
         targets=_targets(targets, (*LIB_TARGETS, *TOOL_TARGETS, *OPTIONAL_TARGETS)),
         cuda=use_cuda, cuda_arch=cuda_arch, cpu_variant=cpu_variant,
-        ccache=not no_ccache and have_ccache(), jobs=jobs, extra_cmake=cmake_args)
+        ccache=not no_ccache, jobs=jobs, extra_cmake=cmake_args)
     root = (build_root or settings.work_dir / "build").resolve()
     with tree_lock(settings):  # nothing may apply/unapply while the files are exported
         stamp_pin, stale = _pin_and_staleness(settings, pin, rev)
@@ -195,7 +194,7 @@ def verify_identical_cmd(settings: Settings, pristine_rev: str | None, patched_r
     use_cuda = _cuda(cuda)
     opts = BuildOptions(targets=_targets(targets, LIB_TARGETS[:4]), optional_targets=(), cuda=use_cuda,
                         cuda_arch=cuda_arch, cpu_variant=cpu_variant,
-                        ccache=not no_ccache and have_ccache(), jobs=jobs,
+                        ccache=not no_ccache, jobs=jobs,
                         extra_cmake=cmake_args)
     root = (verify_root or settings.work_dir / "verify").resolve()
     series_dir = settings.patches_dir if (settings.patches_dir / "series").is_file() else None
