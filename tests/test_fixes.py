@@ -299,3 +299,14 @@ def test_rebuild_rev_is_checked_against_the_series_too(project: Project) -> None
         "0002-second.patch: file changed since applied"]
     result = project.run("rebuild", "--no-cuda", "--rev", "nosuchrev", code=1)
     assert "--rev nosuchrev: no such commit" in result.output
+
+
+def test_a_failing_git_source_names_gits_reason(project: Project, tmp_path: Path) -> None:
+    """upstream's git runs through the one isolated runner (stack/gitrun): its error is git's last line
+    (it was printed as a Python list: "failed: ['fatal: ...']")."""
+    toml = project.patches / "upstream.toml"
+    toml.write_text(toml.read_text() + f'\n[pins.ggg]\ncommit = "abc1234"\n\n[[pins.ggg.sources]]\n'
+                    f'kind = "git"\nurl = "{tmp_path / "no-such-repo"}"\ncommit = "abc1234"\n')
+    out = project.run("fetch", "--pin", "ggg", code=1).output
+    assert "git clone --quiet --no-checkout failed" in out and "fatal:" in out and "['" not in out, out
+    assert not project.tree.exists()

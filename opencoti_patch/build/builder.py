@@ -45,8 +45,8 @@ from .. import __version__
 from ..config import write_report
 from ..errors import CheckFailed, OpencotiError
 from ..report import render
+from ..stack.gitrun import run_git
 from ..stack.series import read_series
-from ..stack.tree import run_git
 from ..stack.upstream import sha256_file
 
 # --------------------------------------------------------------------------- constants

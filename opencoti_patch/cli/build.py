@@ -24,8 +24,9 @@ from ..build.identical import VerifyConfig, raise_on_failure, verify_identical
 from ..build.workflow import WORKFLOW_OUT, write_workflow
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError
+from ..stack.gitrun import run_git
 from ..stack.status import stale_against_series
-from ..stack.tree import Tree, run_git, tree_lock
+from ..stack.tree import Tree, tree_lock
 from .options import common_options
 
 

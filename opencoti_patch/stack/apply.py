@@ -22,9 +22,10 @@ from typing import Any
 from ..config import DEFAULT_AUTHOR, Settings
 from ..errors import CheckFailed, OpencotiError, PatchFailed
 from ..report import render
+from .gitrun import run_git
 from .hunks import check_exact
 from .series import Patch, diff_patch
-from .tree import Tree, TreeDiff, commit_message, run_git
+from .tree import Tree, TreeDiff, commit_message
 from .upstream import Pin, Upstream, materialize
 
 CLEAN, MERGED, CONFLICTED, FAILED = "clean", "merged", "conflicted", "failed"

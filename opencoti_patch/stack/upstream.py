@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from ..errors import OpencotiError
 from ..progress import progress as progress_bar
 from ..report import info
 from ..safe_extract import extract_tar
+from .gitrun import run_git
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -275,14 +275,11 @@ def check_source_dir(folder: Path, pin: Pin, dest: Path) -> None:
         raise OpencotiError(f"--from {folder}: a tree managed by opencoti-patch (its files may be patched); "
                             "use a pristine source, or `restore` that tree")
     if (folder / ".git").is_dir():
-        env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "LC_ALL": "C"}
-        head = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], env=env, capture_output=True,
-                              text=True).stdout.strip()
+        head = run_git(folder, "rev-parse", "HEAD").text.strip()
         if not head.startswith(pin.commit):
             raise OpencotiError(f"--from {folder}: a git checkout of {head[:12] or 'no commit'}, "
                                 f"not pin {pin.name} ({pin.commit})")
-        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain"], env=env,
-                               capture_output=True, text=True).stdout.strip()
+        dirty = run_git(folder, "status", "--porcelain").text.strip()
         if dirty:
             raise OpencotiError(f"--from {folder}: the checkout has local changes "
                                 f"({dirty.splitlines()[0].strip()}, ...)")
@@ -299,20 +296,12 @@ def _drop(root: Path, rel: str) -> None:
         shutil.rmtree(target)
 
 
-def _run_git(args: list[str], cwd: Path | None = None) -> None:
-    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1",
-           "GIT_CONFIG_GLOBAL": os.devnull, "LC_ALL": "C"}
-    proc = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise OpencotiError(f"git {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
-
-
 def _from_git(src: Source, dest: Path) -> None:
     assert src.url and src.commit
     with tempfile.TemporaryDirectory(prefix=".opencoti-git-", dir=dest.parent) as tmp:
         clone = Path(tmp) / "clone"
-        _run_git(["clone", "--quiet", "--no-checkout", src.url, str(clone)])
-        _run_git(["-c", "advice.detachedHead=false", "checkout", "--quiet", src.commit], cwd=clone)
+        run_git(Path(tmp), "clone", "--quiet", "--no-checkout", src.url, str(clone), check=True)
+        run_git(clone, "-c", "advice.detachedHead=false", "checkout", "--quiet", src.commit, check=True)
         shutil.rmtree(clone / ".git")
         root = clone / src.subdir if src.subdir else clone
         if not root.is_dir():
