@@ -310,3 +310,14 @@ def test_a_failing_git_source_names_gits_reason(project: Project, tmp_path: Path
     out = project.run("fetch", "--pin", "ggg", code=1).output
     assert "git clone --quiet --no-checkout failed" in out and "fatal:" in out and "['" not in out, out
     assert not project.tree.exists()
+
+
+def test_markers_takes_the_default_tree_only_when_it_carries_the_series(project: Project) -> None:
+    """The same test as `rebuild`'s: a patch file changed since it was applied means the tree does not
+    carry it (markers used the tree anyway and reported its hunks as not matching)."""
+    two_patches(project)
+    patch = project.patches / "0002-second.patch"
+    patch.write_bytes(patch.read_bytes().replace(b"+int line_38 = 3838; // opencoti", b"+int line_38 = 39;"))
+    out = project.run("markers").output  # unmarked changes a hunk alone cannot judge: warnings
+    assert "no tree carrying the whole series" in out and "does not match the tree" not in out, out
+    assert "patches only" in out
