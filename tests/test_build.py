@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_house import fake_ccache
 
 from opencoti_patch.build import builder as b
 from opencoti_patch.build import identical as ident
@@ -130,10 +131,7 @@ def test_export_rev_and_changed_files(repo: Path, tmp_path: Path) -> None:
 
 
 def test_cmake_args_reproducible_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = tmp_path / "fakebin" / "ccache"  # ccache counts only where it is installed
-    fake.parent.mkdir()
-    fake.write_text("#!/bin/sh\nexec \"$@\"\n")
-    fake.chmod(0o755)
+    fake = fake_ccache(tmp_path / "fakebin")  # ccache counts only where it is installed
     monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     src, build = tmp_path / "s", tmp_path / "b"
     opts = b.BuildOptions(build_commit="pin+fp", cpu_variant="haswell", ccache=True)

@@ -32,14 +32,21 @@ def path_without_ccache(tmp: Path) -> str:
     return str(farm)
 
 
+def fake_ccache(folder: Path) -> Path:
+    """A ``ccache`` that runs its command, in ``folder`` (to put on PATH)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fake = folder / "ccache"
+    fake.write_text("#!/bin/sh\nexec \"$@\"\n")
+    fake.chmod(0o755)
+    return fake
+
+
 def test_default_build_options_follow_ccache_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     opts = b.BuildOptions()
     assert opts.ccache is False
     assert not any("LAUNCHER" in a for a in b.cmake_args(tmp_path, tmp_path / "b", opts, tmp_path / "h"))
-    fake = tmp_path / "ccache"
-    fake.write_text("#!/bin/sh\nexec \"$@\"\n")
-    fake.chmod(0o755)
+    fake_ccache(tmp_path)
     assert b.BuildOptions().ccache is True
 
 

@@ -389,9 +389,13 @@ def rebase_continue(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str,
             f"nothing to commit for {name}: make its changes by hand, or `rebase --skip` to drop it"
         )
     commit_patch(tree, by_name[name])
-    outcome = dict(state["current"])
-    outcome["status"] = "resolved"
-    state["outcomes"].append(outcome)
+    return _step_done(tree, patches, state, "resolved")
+
+
+def _step_done(tree: Tree, patches: list[Patch], state: dict[str, Any],
+               status: str) -> tuple[Report, dict[str, Any] | None]:
+    """Record the conflicted step as ``status`` (resolved, skipped) and go on with the rest."""
+    state["outcomes"].append(dict(state["current"]) | {"status": status})
     state["remaining"].pop(0)
     state["current"] = None
     _save_rebase(tree, state)
@@ -414,12 +418,6 @@ def rebase_skip(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str, Any
     if not state or not state.get("current"):
         raise OpencotiError("no conflicted rebase step to skip")
     tree.reset_hard("HEAD")
-    outcome = dict(state["current"])
-    outcome["status"] = "skipped"
     dropped = tree.read_state().get("dropped", [])
-    tree.write_state(dropped=sorted({*dropped, outcome["patch"]}))
-    state["outcomes"].append(outcome)
-    state["remaining"].pop(0)
-    state["current"] = None
-    _save_rebase(tree, state)
-    return _rebase_run(tree, patches, state)
+    tree.write_state(dropped=sorted({*dropped, state["current"]["patch"]}))
+    return _step_done(tree, patches, state, "skipped")

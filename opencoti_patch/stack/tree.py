@@ -52,7 +52,7 @@ from ..errors import CheckFailed, LockBusy, OpencotiError
 from ..report import info
 from .gitrun import GitResult, isolated_env
 from .series import FIELD_RE, PatchHeader
-from .upstream import Pin, Upstream, materialize
+from .upstream import Pin, Upstream, materialize, sha256_file
 
 ATTRIBUTES = "* -text -filter -ident -working-tree-encoding\n"
 REPO_CONFIG = {
@@ -147,12 +147,8 @@ def parse_message(message: str, author: str = "") -> tuple[PatchHeader, str | No
 def file_digest(path: Path) -> dict[str, str]:
     if path.is_symlink():
         return {"sha256": hashlib.sha256(os.fsencode(os.readlink(path))).hexdigest(), "mode": "120000"}
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
     mode = "100755" if os.stat(path).st_mode & stat.S_IXUSR else "100644"
-    return {"sha256": digest.hexdigest(), "mode": mode}
+    return {"sha256": sha256_file(path), "mode": mode}
 
 
 def scan(root: Path) -> dict[str, dict[str, str]]:

@@ -30,7 +30,7 @@ from ..config import TAG_PREFIX, Settings
 from ..errors import OpencotiError
 from ..progress import progress as progress_bar
 from ..report import info
-from ..safe_extract import extract_tar
+from ..safe_extract import extract_tar, staged
 from .gitrun import run_git
 
 if sys.version_info >= (3, 11):
@@ -317,16 +317,9 @@ def _from_dir(src: Source, base: Path, dest: Path) -> None:
         root = root / src.subdir
     if not root.is_dir():
         raise OpencotiError(f"dir source {root}: no such folder")
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-    try:
-        shutil.rmtree(staging)
-        shutil.copytree(
-            root, staging, symlinks=True, ignore=lambda d, _names: [".git"] if d == str(root) else []
-        )
-        staging.rename(dest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with staged(dest) as staging:
+        shutil.copytree(root, staging, symlinks=True, dirs_exist_ok=True,
+                        ignore=lambda d, _names: [".git"] if d == str(root) else [])
 
 
 def materialize(
