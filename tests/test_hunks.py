@@ -93,3 +93,13 @@ def test_patch_files_apply_exactly_to_a_folder(tmp_path: Path) -> None:
     (folder / "f.c").write_text("\n".join(OLD) + "\n")
     apply_to_folder(folder, diff)
     assert (folder / "f.c").read_text() == "\n".join(NEW) + "\n"
+
+
+def test_hunks_at_one_point_and_overlaps() -> None:
+    """Two insertions at the same point (empty from sides) go in order; overlapping hunks are refused."""
+    ins = file_diff(OLD, OLD[:5] + ["x"] + OLD[5:], 0).hunks[0]
+    ins2 = file_diff(OLD, OLD[:5] + ["y"] + OLD[5:], 0).hunks[0]
+    assert h.apply_at(OLD, [ins, ins2], [5, 5]).lines == OLD[:5] + ["x", "y"] + OLD[5:]
+    change = file_diff(OLD, OLD[:4] + ["z"] + OLD[5:]).hunks[0]
+    with pytest.raises(ValueError, match="overlaps"):
+        h.apply_at(OLD, [change, change], [1, 2])

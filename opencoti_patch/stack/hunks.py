@@ -103,7 +103,8 @@ def apply_at(lines: Sequence[str], hunks: Sequence[Hunk], positions: Sequence[in
     out: list[str] = []
     out_origins: list[T | None] = []
     at = 0
-    for pos, hunk in sorted((p, h) for p, h in zip(positions, hunks, strict=True) if p is not None):
+    placed = [(p, h) for p, h in zip(positions, hunks, strict=True) if p is not None]
+    for pos, hunk in sorted(placed, key=lambda ph: ph[0]):
         if pos < at:
             raise ValueError(f"hunk #{hunk.number} overlaps the hunk before it")
         out += lines[at:pos]
