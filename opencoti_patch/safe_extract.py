@@ -13,7 +13,8 @@ import posixpath
 import shutil
 import tarfile
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +111,22 @@ def _inside(root: Path, path: Path) -> bool:
     return real == real_root or real.startswith(real_root + os.sep)
 
 
+@contextmanager
+def staged(dest: Path) -> Iterator[Path]:
+    """A hidden sibling folder of ``dest`` (which must not exist) to fill: renamed to ``dest`` when the
+    block ends, removed on any error (Ctrl-C included), so ``dest`` only ever appears complete."""
+    if dest.exists():
+        raise OpencotiError(f"{dest} already exists; remove it first")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        yield staging
+        staging.rename(dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def extract_tar(
     archive: Path, dest: Path, subdir: str | None = None, exclude: Iterable[str] = ()
 ) -> Path:
@@ -119,51 +136,44 @@ def extract_tar(
     """
     if dest.exists():
         raise OpencotiError(f"{dest} already exists; remove it first")
-    dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         tar = tarfile.open(archive, "r:*")
     except (tarfile.TarError, OSError) as exc:
         raise OpencotiError(f"{archive}: not a readable tar archive ({exc})") from exc
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-    try:
-        with tar:
-            selected, prefix = _select(tar.getmembers(), archive, subdir, exclude)
-            symlinks: list[_Member] = []
-            for m in selected:
-                target = staging / m.rel
-                if m.info.isdir():
-                    target.mkdir(parents=True, exist_ok=True)
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if m.info.issym():
-                    symlinks.append(m)
-                elif m.info.islnk():
-                    linked = _normalize(m.info.linkname, archive)
-                    source = staging / linked[len(prefix):] if linked.startswith(prefix) else None
-                    _hardlink_copy(archive, m, source, target)
-                else:
-                    src = tar.extractfile(m.info)
-                    if src is None:
-                        raise OpencotiError(f"{archive.name}: cannot read member {m.info.name!r}")
-                    with src, open(target, "wb") as out:
-                        shutil.copyfileobj(src, out, 1 << 20)
-                    target.chmod(0o755 if m.info.mode & 0o111 else 0o644)
-            for m in symlinks:
-                link = staging / m.rel
-                os.symlink(m.info.linkname, link)
-                if not _inside(staging, link):
-                    raise UnsafeArchive(
-                        f"{archive.name}: symlink {m.info.name!r} resolves outside the tree; "
-                        "nothing extracted"
-                    )
+    with tar, staged(dest) as staging:
+        selected, prefix = _select(tar.getmembers(), archive, subdir, exclude)
+        symlinks: list[_Member] = []
+        for m in selected:
+            target = staging / m.rel
+            if m.info.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if m.info.issym():
+                symlinks.append(m)
+            elif m.info.islnk():
+                linked = _normalize(m.info.linkname, archive)
+                source = staging / linked[len(prefix):] if linked.startswith(prefix) else None
+                _hardlink_copy(archive, m, source, target)
+            else:
+                src = tar.extractfile(m.info)
+                if src is None:
+                    raise OpencotiError(f"{archive.name}: cannot read member {m.info.name!r}")
+                with src, open(target, "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+                target.chmod(0o755 if m.info.mode & 0o111 else 0o644)
+        for m in symlinks:
+            link = staging / m.rel
+            os.symlink(m.info.linkname, link)
+            if not _inside(staging, link):
+                raise UnsafeArchive(
+                    f"{archive.name}: symlink {m.info.name!r} resolves outside the tree; "
+                    "nothing extracted"
+                )
         for d in sorted((p for p in staging.rglob("*") if p.is_dir() and not p.is_symlink()),
                         reverse=True):
             d.chmod(0o755)
         staging.chmod(0o755)
-        staging.rename(dest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return dest
 
 

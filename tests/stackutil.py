@@ -104,6 +104,14 @@ class Project:
         assert old in text, (rel, old)
         path.write_text(text.replace(old, new, 1))
 
+    def resolve_conflict(self, rel: str, line: str) -> None:
+        """Replace the first conflict block (``<<<<<<<`` to ``>>>>>>>``) of a tree file with ``line``."""
+        path = self.tree / rel
+        text = path.read_text()
+        start, end = text.index("<<<<<<<"), text.index(">>>>>>>")
+        end = text.index("\n", end) + 1
+        path.write_text(text[:start] + line + "\n" + text[end:])
+
     def prepared(self) -> Project:
         self.run("prepare")
         return self

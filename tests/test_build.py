@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_house import fake_ccache
 
 from opencoti_patch.build import builder as b
 from opencoti_patch.build import identical as ident
@@ -129,7 +130,9 @@ def test_export_rev_and_changed_files(repo: Path, tmp_path: Path) -> None:
 # ------------------------------------------------------------------ cmake args + helpers
 
 
-def test_cmake_args_reproducible_defaults(tmp_path: Path) -> None:
+def test_cmake_args_reproducible_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = fake_ccache(tmp_path / "fakebin")  # ccache counts only where it is installed
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     src, build = tmp_path / "s", tmp_path / "b"
     opts = b.BuildOptions(build_commit="pin+fp", cpu_variant="haswell", ccache=True)
     args = b.cmake_args(src, build, opts, build / ".opencoti")

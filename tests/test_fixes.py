@@ -252,3 +252,72 @@ def test_the_lexers_scanner_core() -> None:
     assert skip_open('a\\"b', 0, '"', escapes=False) == (3, True)  # raw: the backslash is text
     assert skip_open("x ]==] y", 0, "]==]") == (6, True)
     assert skip_open("no end", 0, "*/") == (6, False)
+
+
+# -- review of issue 14: Tree owns the fetch record, the rev's staleness, one applier -------------------
+
+
+def test_the_tree_owns_the_fetch_record(project: Project) -> None:
+    from opencoti_patch.config import Settings
+    from opencoti_patch.stack.tree import Tree
+    from opencoti_patch.stack.upstream import load_upstream
+
+    settings = Settings.resolve()
+    tree = Tree(settings)
+    project.run("fetch", "--pin", PIN_B)
+    assert tree.fetch_record == project.tree.parent / f".{project.tree.name}.fetched.json"
+    assert json.loads(tree.fetch_record.read_text())["pin"] == PIN_B
+    assert tree.fetched_pin(load_upstream(settings.upstream_file)).name == PIN_B
+    with pytest.raises(OpencotiError, match=f"fetched as pin {PIN_B}"):
+        tree.fetched_pin(load_upstream(settings.upstream_file), PIN_A)
+
+
+def test_rebase_leaves_no_fetch_record_of_its_scratch_import(project: Project) -> None:
+    two_patches(project)
+    project.run("rebase", "--to", PIN_B, code=3)
+    project.run("rebase", "--abort")
+    hidden = sorted(p.name for p in project.tree.parent.iterdir() if p.name.startswith("."))
+    assert hidden == [f".{project.tree.name}.fetched.json", f".{project.tree.name}.lock"], hidden
+
+
+def test_rebuild_rev_is_checked_against_the_series_too(project: Project) -> None:
+    """`rebuild --rev REV` builds that commit: it must carry exactly the series of patches/."""
+    from opencoti_patch.cli.build import _pin_and_staleness
+    from opencoti_patch.config import Settings
+
+    two_patches(project)
+    project.edit("src/b.h", "int c(void);", "int c(void); // not captured")  # not in the commit built
+    assert _pin_and_staleness(Settings.resolve(), None, "HEAD") == (PIN_A, [])
+    assert _pin_and_staleness(Settings.resolve(), None, "HEAD~1")[1] == ["0002-second.patch: not applied"]
+    stale = _pin_and_staleness(Settings.resolve(), None, f"upstream/{PIN_A}")[1]
+    assert stale == ["0001-first.patch: not applied", "0002-second.patch: not applied"]
+    result = project.run("rebuild", "--no-cuda", "--rev", "HEAD~1", code=4)
+    assert "stale against" in result.output and "0002-second.patch: not applied" in result.output
+    patch = project.patches / "0002-second.patch"
+    patch.write_bytes(patch.read_bytes().replace(b"second: edit a and b", b"second: edited since"))
+    assert _pin_and_staleness(Settings.resolve(), None, "HEAD")[1] == [
+        "0002-second.patch: file changed since applied"]
+    result = project.run("rebuild", "--no-cuda", "--rev", "nosuchrev", code=1)
+    assert "--rev nosuchrev: no such commit" in result.output
+
+
+def test_a_failing_git_source_names_gits_reason(project: Project, tmp_path: Path) -> None:
+    """upstream's git runs through the one isolated runner (stack/gitrun): its error is git's last line
+    (it was printed as a Python list: "failed: ['fatal: ...']")."""
+    toml = project.patches / "upstream.toml"
+    toml.write_text(toml.read_text() + f'\n[pins.ggg]\ncommit = "abc1234"\n\n[[pins.ggg.sources]]\n'
+                    f'kind = "git"\nurl = "{tmp_path / "no-such-repo"}"\ncommit = "abc1234"\n')
+    out = project.run("fetch", "--pin", "ggg", code=1).output
+    assert "git clone --quiet --no-checkout failed" in out and "fatal:" in out and "['" not in out, out
+    assert not project.tree.exists()
+
+
+def test_markers_takes_the_default_tree_only_when_it_carries_the_series(project: Project) -> None:
+    """The same test as `rebuild`'s: a patch file changed since it was applied means the tree does not
+    carry it (markers used the tree anyway and reported its hunks as not matching)."""
+    two_patches(project)
+    patch = project.patches / "0002-second.patch"
+    patch.write_bytes(patch.read_bytes().replace(b"+int line_38 = 3838; // opencoti", b"+int line_38 = 39;"))
+    out = project.run("markers").output  # unmarked changes a hunk alone cannot judge: warnings
+    assert "no tree carrying the whole series" in out and "does not match the tree" not in out, out
+    assert "patches only" in out

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from opencoti_patch.build import builder as b
+from opencoti_patch.config import SHIPPED_TEMPLATES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,14 +32,21 @@ def path_without_ccache(tmp: Path) -> str:
     return str(farm)
 
 
+def fake_ccache(folder: Path) -> Path:
+    """A ``ccache`` that runs its command, in ``folder`` (to put on PATH)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fake = folder / "ccache"
+    fake.write_text("#!/bin/sh\nexec \"$@\"\n")
+    fake.chmod(0o755)
+    return fake
+
+
 def test_default_build_options_follow_ccache_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     opts = b.BuildOptions()
     assert opts.ccache is False
     assert not any("LAUNCHER" in a for a in b.cmake_args(tmp_path, tmp_path / "b", opts, tmp_path / "h"))
-    fake = tmp_path / "ccache"
-    fake.write_text("#!/bin/sh\nexec \"$@\"\n")
-    fake.chmod(0o755)
+    fake_ccache(tmp_path)
     assert b.BuildOptions().ccache is True
 
 
@@ -63,9 +71,62 @@ def test_tiny_build_with_default_options_needs_no_ccache(tmp_path: Path,
     assert out.returncode == 0 and "ccache: not found" not in out.stdout + out.stderr, out.stdout
 
 
+def test_ccache_wanted_but_not_installed_is_off_everywhere(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-ccache not given (ccache wanted) on a machine without it: no launcher anywhere."""
+    from opencoti_patch.build.harness import harness_args
+
+    monkeypatch.setenv("PATH", path_without_ccache(tmp_path))
+    opts = b.BuildOptions(ccache=True)
+    assert opts.ccache is False and b.replace(opts, ccache=True).ccache is False
+    args = b.cmake_args(tmp_path, tmp_path / "b", opts, tmp_path / "h")
+    assert not any("LAUNCHER=ccache" in a for a in args)
+    assert not any("LAUNCHER" in a for a in harness_args(tmp_path, tmp_path / "bin", tmp_path / "hb", opts))
+    b.write_helpers(tmp_path / "h", tmp_path, b.replace(opts, cuda=True))
+    assert "CCACHE = None" in (tmp_path / "h" / "nvcc-launcher.py").read_text()
+    assert b.build_env(tmp_path, opts)["CCACHE_DISABLE"] == "1"
+
+
+TINY_CMAKE = """cmake_minimum_required(VERSION 3.14)
+project(tiny C)
+set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+set(CMAKE_LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+add_library(ggml-base SHARED g.c)
+set_target_properties(ggml-base PROPERTIES VERSION 0.0.1 SOVERSION 0)
+add_executable(llama-tiny t.c)
+target_link_libraries(llama-tiny ggml-base)
+"""
+
+
+def test_rebuild_without_ccache_builds_a_tiny_project(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The builder's whole path (export, configure with its own arguments and helpers, ninja, stamp,
+    manifest, install) with the default options on a machine without ccache, on a two-file project."""
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("PATH", path_without_ccache(tmp_path))
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "CMakeLists.txt").write_text(TINY_CMAKE)
+    (tree / "g.c").write_text("int g(void) { return 0; }\n")
+    (tree / "t.c").write_text("int g(void);\nint main(void) { return g(); }\n")
+    opts = b.BuildOptions(targets=("ggml-base", "llama-tiny"), optional_targets=())
+    manifest, out_dir = b.rebuild(tree, tmp_path / "work", opts, label="cpu", rev=None, pin="tiny",
+                                  patches_dir=None, template_dirs=[SHIPPED_TEMPLATES],
+                                  install_dirs=[tmp_path / "installed"], progress=False)
+    log = (out_dir / "opencoti-build.log").read_text().replace(str(tmp_path), "<tmp>")
+    assert "ccache" not in log.replace("GGML_CCACHE", ""), log
+    assert not any("LAUNCHER" in a for a in manifest["cmake_options"])
+    assert manifest["toolchain"]["ccache"] is None and manifest["build_commit"].startswith("tiny+")
+    assert {a["name"] for a in manifest["artifacts"]} == {"libggml-base.so.0.0.1", "llama-tiny"}
+    assert subprocess.run([str(out_dir / "bin" / "llama-tiny")]).returncode == 0
+    assert (tmp_path / "installed" / "libggml-base.so.0").is_symlink()
+
+
 @pytest.mark.skipif(os.environ.get("OPENCOTI_NESTED") == "1", reason="already inside ci/test.sh")
 def test_readme_test_command_without_ccache(tmp_path: Path) -> None:
-    """`./ci/test.sh` (the README's command) with no ccache on PATH, on the build-option tests."""
+    """`./ci/test.sh` (the README's command) with no ccache on PATH, on the tests of the build path
+    (options, configure arguments, harness, a tiny project built through `rebuild`)."""
     venv_dir = Path(sys.prefix)
     env = dict(os.environ, PATH=path_without_ccache(tmp_path), OPENCOTI_VENV=str(venv_dir),
                OPENCOTI_NESTED="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
@@ -74,7 +135,7 @@ def test_readme_test_command_without_ccache(tmp_path: Path) -> None:
                          timeout=600)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
-    assert "2 passed" in out and "ccache: not found" not in out
+    assert "4 passed" in out and "ccache: not found" not in out
 
 
 @pytest.mark.skipif(os.environ.get("OPENCOTI_NESTED") == "1", reason="already inside ci/test.sh")

@@ -177,3 +177,35 @@ def test_loadtest_runs_where_click_and_jinja2_are_missing() -> None:
             "runpy.run_module('opencoti_patch.quality.loadtest', run_name='__main__')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0 and "--corpus" in res.stdout, res.stderr
+
+
+def _splices_or_searches_lines(tree: ast.AST) -> list[int]:
+    """Lines of a slice assignment (``cur[a:b] = ...``) or a slice comparison (``x[a:b] == y``): what
+    applying or locating a hunk in a file's lines takes."""
+    def sliced(node: ast.AST) -> bool:
+        return isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice)
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(sliced(t) for t in node.targets):
+            found.append(node.lineno)
+        elif isinstance(node, ast.Compare) and any(sliced(x) for x in (node.left, *node.comparators)):
+            found.append(node.lineno)
+    return found
+
+
+def test_one_patch_model_and_one_applier() -> None:
+    """Every module that reads hunks (of the patch model, stack/series.py) leaves locating and applying
+    them to the stack's in-memory applier (stack/hunks.py), and only series.py parses diffs."""
+    applier = PACKAGE / "stack" / "hunks.py"
+    model = PACKAGE / "stack" / "series.py"
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        if path != model:
+            assert "@@ -(" not in text and "^@@" not in text, f"{path.name} parses hunk headers itself"
+        mod = module_name(path, PACKAGE)
+        reads_hunks = any(w in text for w in (".hunks", "text_lines", "Hunk"))
+        if path in (applier, model) or not reads_hunks:
+            continue
+        assert not _splices_or_searches_lines(ast.parse(text)), \
+            f"{mod} locates or applies hunks itself (lines {_splices_or_searches_lines(ast.parse(text))})"

@@ -487,11 +487,7 @@ def test_rebase_reports_and_resolves(project: Project) -> None:
     assert report["outcomes"][1]["files"] == ["src/a.c"]
     assert "<<<<<<<" in (project.tree / "src" / "a.c").read_text()
     assert "conflict markers remain" in project.run("rebase", "--continue", code=1).output
-    text = (project.tree / "src" / "a.c").read_text()
-    start, end = text.index("<<<<<<<"), text.index(">>>>>>>")
-    end = text.index("\n", end) + 1
-    text = text[:start] + "int line_38 = 383800; // opencoti, rebased\n" + text[end:]
-    (project.tree / "src" / "a.c").write_text(text)
+    project.resolve_conflict("src/a.c", "int line_38 = 383800; // opencoti, rebased")
     out = project.run("rebase", "--continue").output
     assert "resolved   0002-second.patch" in out and "done" in out
     assert "0002-second.patch" in project.run("snapshot", "--check", code=4).output
@@ -552,3 +548,22 @@ def test_snapshot_mark_adds_markers(project: Project) -> None:
     assert "UPSTREAM_SYNC(sparse-attn): begin" in (project.tree / "src" / "a.c").read_text()
     project.run("snapshot", "--top")
     project.run("markers", "--patches-dir", str(project.patches), "--tree", str(project.tree))
+
+
+def test_staged_folders_appear_complete_or_not_at_all(tmp_path: Path) -> None:
+    """The one staging rule of extract_tar and the dir source (safe_extract.staged)."""
+    from opencoti_patch.errors import OpencotiError
+    from opencoti_patch.safe_extract import staged
+
+    dest = tmp_path / "tree"
+    with pytest.raises(KeyboardInterrupt), staged(dest) as staging:
+        (staging / "half").write_text("x")
+        raise KeyboardInterrupt
+    assert list(tmp_path.iterdir()) == []
+    with staged(dest) as staging:
+        assert staging.parent == tmp_path and staging.name.startswith(".tree.partial-")
+        (staging / "f").write_text("x")
+        assert not dest.exists()
+    assert (dest / "f").read_text() == "x" and [p.name for p in tmp_path.iterdir()] == ["tree"]
+    with pytest.raises(OpencotiError, match="already exists"), staged(dest):
+        pass

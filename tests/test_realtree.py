@@ -116,11 +116,7 @@ def test_real_rebase_0336_to_0335(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert statuses["0001-license-note.patch"] == "clean"
     assert statuses["0002-session-version.patch"] == "conflicted", statuses
     assert report["outcomes"][1]["files"] == ["include/llama.h"]
-    text = (p.tree / "include" / "llama.h").read_text()
-    start, end = text.index("<<<<<<<"), text.index(">>>>>>>")
-    end = text.index("\n", end) + 1
-    text = text[:start] + "#define LLAMA_SESSION_VERSION 9 // opencoti\n" + text[end:]
-    (p.tree / "include" / "llama.h").write_text(text)
+    p.resolve_conflict("include/llama.h", "#define LLAMA_SESSION_VERSION 9 // opencoti")
     report = json.loads(p.run("rebase", "--continue", "--json", code=None).stdout)
     statuses = {o["patch"]: o["status"] for o in report["outcomes"]}
     assert statuses["0002-session-version.patch"] == "resolved"

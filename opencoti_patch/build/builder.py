@@ -45,8 +45,8 @@ from .. import __version__
 from ..config import write_report
 from ..errors import CheckFailed, OpencotiError
 from ..report import render
+from ..stack.gitrun import run_git
 from ..stack.series import read_series
-from ..stack.tree import run_git
 from ..stack.upstream import sha256_file
 
 # --------------------------------------------------------------------------- constants
@@ -296,11 +296,15 @@ class BuildOptions:
     cuda: bool = False
     cuda_arch: str = "90-real"
     cpu_variant: str = DEFAULT_CPU_VARIANT
-    ccache: bool = field(default_factory=lambda: have_ccache())  # on only where ccache is installed
+    ccache: bool = True  # wanted; off where ccache is not installed (the one place that decides)
     build_commit: str = "unknown"
     build_number: int = 0
     jobs: int | None = None
     extra_cmake: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.ccache and not have_ccache():
+            object.__setattr__(self, "ccache", False)
 
 
 def cpu_variant_args(variant: str) -> list[str]:

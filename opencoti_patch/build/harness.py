@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..config import SHIPPED_HARNESS
 from ..errors import OpencotiError
-from .builder import BuildOptions, build_env, find_tool, have_ccache, run_logged
+from .builder import BuildOptions, build_env, find_tool, run_logged
 
 SINGLE_EXE = "opencoti-harness"  # one prompt, logits dump (verify-identical)
 BATCH_EXE = "opencoti-harness-batch"  # many requests per process (eval)
@@ -24,7 +24,7 @@ def harness_args(llama_src: Path, llama_bin: Path, build_dir: Path, opts: BuildO
     args = [cmake, "-S", str(SHIPPED_HARNESS), "-B", str(build_dir), "-G", "Ninja",
             f"-DCMAKE_MAKE_PROGRAM={ninja}", "-DCMAKE_BUILD_TYPE=Release", f"-DLLAMA_SRC={llama_src}",
             f"-DLLAMA_BIN={llama_bin}", f"-DCMAKE_CXX_FLAGS=-ffile-prefix-map={llama_src}=."]
-    if opts.ccache and have_ccache():
+    if opts.ccache:  # only where ccache is installed (BuildOptions)
         args.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
     return args
 

@@ -42,8 +42,8 @@ from .. import __version__
 from ..config import write_report
 from ..errors import CheckFailed, OpencotiError
 from ..report import info, render
+from ..stack.apply import apply_to_folder
 from ..stack.series import diff_paths, read_series
-from ..stack.tree import run_git
 from ..stack.upstream import sha256_file
 from .builder import (
     LIB_TARGETS,
@@ -227,12 +227,11 @@ def prepare_source(cfg: VerifyConfig, label: str, tree: Path, rev: str | None,
     exported = export_tree(tree, src, rev)
     info(f"[{label}] exported {exported.files} files from {exported.source} of {tree} "
          f"({exported.written} written, {exported.removed} removed)")
-    ceiling = {"GIT_CEILING_DIRECTORIES": str(src.parent)}  # no enclosing repository: plain files
     for p in patches:
-        # the applier of the stack (git apply: exact, no fuzz)
-        out = run_git(src, "apply", "--whitespace=nowarn", str(Path(p).resolve()), env=ceiling)
-        if out.rc != 0:
-            raise OpencotiError(f"[{label}] {p} does not apply to the export:\n{out.err}")
+        try:  # the applier of the stack: exact (no fuzz, no offset), a failing hunk named
+            apply_to_folder(src, Path(p))
+        except OpencotiError as exc:
+            raise OpencotiError(f"[{label}] {exc.message}") from exc
     return src
 
 

@@ -17,7 +17,6 @@ from ..build.builder import (
     OPTIONAL_TARGETS,
     TOOL_TARGETS,
     BuildOptions,
-    have_ccache,
     have_gpu,
     rebuild,
 )
@@ -25,8 +24,9 @@ from ..build.identical import VerifyConfig, raise_on_failure, verify_identical
 from ..build.workflow import WORKFLOW_OUT, write_workflow
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError
+from ..stack.gitrun import run_git
 from ..stack.status import stale_against_series
-from ..stack.tree import Tree, run_git, tree_lock
+from ..stack.tree import Tree, tree_lock
 from .options import common_options
 
 
@@ -97,7 +97,7 @@ def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, allow_stal
     opts = BuildOptions(
         targets=_targets(targets, (*LIB_TARGETS, *TOOL_TARGETS, *OPTIONAL_TARGETS)),
         cuda=use_cuda, cuda_arch=cuda_arch, cpu_variant=cpu_variant,
-        ccache=not no_ccache and have_ccache(), jobs=jobs, extra_cmake=cmake_args)
+        ccache=not no_ccache, jobs=jobs, extra_cmake=cmake_args)
     root = (build_root or settings.work_dir / "build").resolve()
     with tree_lock(settings):  # nothing may apply/unapply while the files are exported
         stamp_pin, stale = _pin_and_staleness(settings, pin, rev)
@@ -119,12 +119,13 @@ def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, allow_stal
 
 
 def _pin_and_staleness(settings: Settings, pin: str | None, rev: str | None) -> tuple[str, list[str]]:
-    """The stamp's pin is the Tree's; the stamp's fingerprint is patches/, so the tree must match it."""
+    """The stamp's pin is the Tree's; the stamp's fingerprint is patches/, so the tree (or the commit
+    ``rev`` of it that is built) must match it."""
     tree = Tree(settings)
     if tree.is_repo() and tree.read_state().get("pin"):
         if pin and pin != tree.pin:
             raise OpencotiError(f"--pin {pin}: {settings.tree} was backed up as pin {tree.pin}")
-        stale = stale_against_series(tree) if rev is None else []
+        stale = stale_against_series(tree, rev)
         return tree.pin, stale
     if not pin:
         raise OpencotiError(f"{settings.tree} is not a tree opencoti-patch backed up: "
@@ -194,7 +195,7 @@ def verify_identical_cmd(settings: Settings, pristine_rev: str | None, patched_r
     use_cuda = _cuda(cuda)
     opts = BuildOptions(targets=_targets(targets, LIB_TARGETS[:4]), optional_targets=(), cuda=use_cuda,
                         cuda_arch=cuda_arch, cpu_variant=cpu_variant,
-                        ccache=not no_ccache and have_ccache(), jobs=jobs,
+                        ccache=not no_ccache, jobs=jobs,
                         extra_cmake=cmake_args)
     root = (verify_root or settings.work_dir / "verify").resolve()
     series_dir = settings.patches_dir if (settings.patches_dir / "series").is_file() else None

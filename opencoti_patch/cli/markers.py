@@ -10,21 +10,22 @@ import click
 
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError, UsageProblem
-from ..markers.audit import audit, diff_patch, format_report
+from ..markers.audit import audit, format_report
 from ..markers.fix import fix_tree
 from ..report import info
-from ..stack.series import Patch, load_series, read_series
+from ..stack.series import Patch, diff_patch, load_series
+from ..stack.status import stale_against_series
 from ..stack.tree import Tree, tree_lock
 from .options import common_options
 
 
 def whole_series_tree(settings: Settings) -> Path | None:
-    """The default tree when it carries exactly the series (the exact check's input), else None."""
+    """The default tree when it carries exactly the series (the exact check's input), else None:
+    what `rebuild` requires too (stack/status.stale_against_series)."""
     tree = Tree(settings)
     if not tree.exists() or not tree.is_repo() or not tree.read_state().get("pin"):
         return None
-    applied = [c.patch for c in tree.stack()]
-    return settings.tree if applied == read_series(settings.patches_dir) and not tree.dirty() else None
+    return None if stale_against_series(tree) else settings.tree
 
 
 def _load(settings: Settings, diff_file: Path | None, feature: str | None) -> list[Patch]:

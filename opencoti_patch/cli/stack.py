@@ -20,7 +20,7 @@ from ..stack.capture import NewPatch, snapshot, stale_report, summary
 from ..stack.series import load_series
 from ..stack.status import status_data
 from ..stack.tree import Tree, tree_lock
-from ..stack.upstream import Upstream, fetched_pin, load_upstream, materialize, set_default_pin
+from ..stack.upstream import Upstream, load_upstream, set_default_pin
 from .options import common_options, emit
 
 
@@ -52,7 +52,7 @@ def fetch_cmd(settings: Settings, pin: str | None, from_file: Path | None, downl
     up = _upstream(settings)
     p = up.pin(pin)
     with tree_lock(settings):
-        used = materialize(p, up, settings, settings.tree, from_file, download_only=download_only)
+        used = Tree(settings).fetch(p, up, from_file, download_only=download_only)
     click.echo(f"pin {p.name}: {used}" + ("" if download_only else f" -> {settings.tree}"))
 
 
@@ -77,7 +77,7 @@ def backup_cmd(settings: Settings, pin: str | None, verify: bool, worktree: bool
             if tree.is_repo() and tree.read_state().get("pin"):
                 click.echo(f"already backed up as {tree.tag}; use --verify to check it")
                 return
-            p = fetched_pin(_upstream(settings), settings.tree, pin)
+            p = tree.fetched_pin(_upstream(settings), pin)
             commit = tree.create_backup(p)
             click.echo(f"backed up {settings.tree} as {p.tag} ({commit[:12]}), manifest "
                        f"{tree.manifest_path(p.name)}")
@@ -310,9 +310,9 @@ def prepare_cmd(settings: Settings, pin: str | None, from_file: Path | None, thr
     up = _upstream(settings)
     tree = Tree(settings)
     with tree_lock(settings):
-        p = fetched_pin(up, settings.tree, pin) if tree.exists() and not tree.is_repo() else up.pin(pin)
+        p = tree.fetched_pin(up, pin) if tree.exists() and not tree.is_repo() else up.pin(pin)
         if not tree.exists():
-            info(f"fetching {p.name}: {materialize(p, up, settings, settings.tree, from_file)}")
+            info(f"fetching {p.name}: {tree.fetch(p, up, from_file)}")
         if not tree.is_repo() or not tree.read_state().get("pin"):
             tree.create_backup(p)
             info(f"backed up as {p.tag}")

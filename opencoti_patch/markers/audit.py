@@ -12,20 +12,21 @@ Rules (see docs/usage.md, `markers`):
 
 With `tree` (a directory where the whole series is applied) the check is exact: the post-patch
 files are read from the tree, the hunks of each patch are located in them (through the later
-patches of the series, by reverse-applying them in memory) and region membership is decided on
-the whole file. Marker lines are ignored while locating hunks, so a tree that has extra markers
-(after `fix_tree`, before a snapshot) still matches its patches. Without a tree, only the hunk
-is known: a change whose enclosing markers are not inside the hunk is reported "cannot verify".
+patches of the series, taken off in memory by the stack's applier, ``stack/hunks.py``) and region
+membership is decided on the whole file. Marker lines are ignored while locating hunks, so a tree
+that has extra markers (after `fix_tree`, before a snapshot) still matches its patches. Without a
+tree, only the hunk is known: a change whose enclosing markers are not inside the hunk is reported
+"cannot verify".
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..stack.series import FilePatch, Hunk, Patch, PatchHeader, parse_diff
+from ..stack.hunks import apply_at, locate
+from ..stack.series import FilePatch, Hunk, Patch
 from .syntax import FILE_MARKER_LINES, Marker, is_marker, parse_marker, read_lines, scan_markers
 
 # Severity of each issue kind: errors fail the audit, warnings are printed only.
@@ -94,18 +95,6 @@ class AuditReport:
             "issues": [asdict(i) | {"severity": i.severity, "gap_after": list(i.gap_after),
                                     "text": str(i)} for i in self.issues],
         }
-
-
-def patch_feature(patch: Patch) -> str | None:
-    """The feature name of a patch: the first word of its `Feature:` header field."""
-    return patch.feature_name
-
-
-def diff_patch(diff: bytes | str, name: str = "diff", feature: str | None = None) -> Patch:
-    """A bare diff (e.g. `git diff upstream`) as a one-patch series with the given feature."""
-    data = diff.encode("utf-8", errors="surrogateescape") if isinstance(diff, str) else diff
-    return Patch(name, Path(name), PatchHeader(subject=name, feature=feature or ""),
-                 tuple(parse_diff(data, name)), hashlib.sha256(data).hexdigest())
 
 
 @dataclass
@@ -239,23 +228,6 @@ def _audit_fork_file(chain: _Chain, tree: Path | None) -> list[Issue]:
     return []
 
 
-def _locate(hay: list[str], needle: list[str], hint: int, lo: int) -> int | None:
-    """Index of `needle` in `hay` at or after `lo`, the occurrence nearest `hint`."""
-    n = len(needle)
-    top = len(hay) - n
-    if n == 0:
-        return min(max(hint, lo), len(hay))
-    if top < lo:
-        return None
-    hint = min(max(hint, lo), top)
-    first = needle[0]
-    for d in range(0, max(hint - lo, top - hint) + 1):
-        for p in ((hint,) if d == 0 else (hint - d, hint + d)):
-            if lo <= p <= top and hay[p] == first and hay[p:p + n] == needle:
-                return p
-    return None
-
-
 @dataclass
 class _NS:
     """A new-side line of a hunk: tag, text, its content index in the stage (None: marker)."""
@@ -328,42 +300,17 @@ def _audit_upstream_tree(chain: _Chain, tree: Path) -> tuple[list[Region], list[
     cur_final: list[int | None] = list(range(n_content))
     changes: list[_Change] = []
     for patch, fd in reversed(chain.steps):
-        located: list[int | None] = []
-        drift = 0
-        lo = 0
-        for h in fd.hunks:
-            needle = [t for tag, t in h.text_lines if tag != "-" and not is_marker(t)]
-            pos = _locate(cur, needle, h.new_start - 1 + drift, lo)
-            located.append(pos)
+        located = locate(cur, fd.hunks, reverse=True, exact=False, skip=is_marker)
+        for h, pos in zip(fd.hunks, located, strict=True):
             if pos is None:
                 issues.append(Issue(path, h.new_start, "mismatch",
                                     f"hunk @@ -{h.old_start} +{h.new_start} @@ does not match the "
                                     "tree: cannot verify it (is the series applied?)", patch.name))
                 continue
-            drift = pos - (h.new_start - 1)
-            lo = pos + len(needle)
             changes.extend(_tree_changes(patch, h, pos, cur_final, lines, line_of))
-        # reverse-apply this patch so that earlier patches find their own post-patch text
-        for h, pos in reversed(list(zip(fd.hunks, located, strict=True))):
-            if pos is None:
-                continue
-            old_text: list[str] = []
-            old_map: list[int | None] = []
-            j = pos
-            for tag, text in h.text_lines:
-                if is_marker(text):
-                    continue
-                if tag == " ":
-                    old_text.append(text)
-                    old_map.append(cur_final[j])
-                    j += 1
-                elif tag == "+":
-                    j += 1
-                else:
-                    old_text.append(text)
-                    old_map.append(None)
-            cur[pos:j] = old_text
-            cur_final[pos:j] = old_map
+        # take this patch off (the stack's in-memory applier) so that earlier patches find their own text
+        undone = apply_at(cur, fd.hunks, located, reverse=True, skip=is_marker, origins=cur_final)
+        cur, cur_final = undone.lines, undone.origins
 
     order = {p.name: k for k, (p, _) in enumerate(chain.steps)}
     changes.sort(key=lambda c: order[c.patch.name])

@@ -43,7 +43,7 @@ import numpy as np
 from ..config import Settings, write_report
 from ..errors import CheckFailed, OpencotiError
 from ..progress import progress as _progress
-from ..stack.tree import run_git
+from ..stack.gitrun import run_git
 
 MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
 

@@ -22,7 +22,9 @@ from typing import Any
 from ..config import DEFAULT_AUTHOR, Settings
 from ..errors import CheckFailed, OpencotiError, PatchFailed
 from ..report import render
-from .series import Patch, check_exact
+from .gitrun import run_git
+from .hunks import check_exact
+from .series import Patch, diff_patch
 from .tree import Tree, TreeDiff, commit_message
 from .upstream import Pin, Upstream, load_upstream, materialize, set_default_pin
 
@@ -53,20 +55,26 @@ class Report:
         return asdict(self)
 
 
-def reader(tree: Tree, index: Path | None = None) -> Callable[[str], bytes | None]:
-    """Current content of a tree file: from the worktree, or from ``index`` (a scratch index)."""
+def folder_reader(root: Path) -> Callable[[str], bytes | None]:
+    """Current content of a file under ``root`` (a link: its target; None when absent)."""
 
-    def from_worktree(path: str) -> bytes | None:
-        full = tree.path / path
+    def read(path: str) -> bytes | None:
+        full = root / path
         if full.is_symlink():
             return str(full.readlink()).encode()
         return full.read_bytes() if full.is_file() else None
+
+    return read
+
+
+def reader(tree: Tree, index: Path | None = None) -> Callable[[str], bytes | None]:
+    """Current content of a tree file: from the worktree, or from ``index`` (a scratch index)."""
 
     def from_index(path: str) -> bytes | None:
         r = tree.git("cat-file", "blob", f":{path}", index=index, check=False, binary=True)
         return r.out if r.rc == 0 and isinstance(r.out, bytes) else None
 
-    return from_worktree if index is None else from_index
+    return folder_reader(tree.path) if index is None else from_index
 
 
 def unmerged(tree: Tree, index: Path | None = None) -> list[str]:
@@ -97,6 +105,21 @@ def apply_one(tree: Tree, patch: Patch, three_way: bool, index: Path | None = No
     return Outcome(patch.name, FAILED, [failure.file],
                    f"{failure.reason}; no 3-way merge either: {_three_way_reason(r.err)}",
                    failure.hunk, failure.line)
+
+
+def apply_to_folder(folder: Path, patch_file: Path) -> None:
+    """Apply a diff exactly (no fuzz, no offset) to the plain files of ``folder`` (no repository:
+    ``verify-identical --patch-file`` on an export): the in-memory check names a failing hunk, then
+    git writes the files, with no repository above ``folder`` taken for the tree."""
+    patch = diff_patch(patch_file.read_bytes(), patch_file.name, path=patch_file)
+    failure = check_exact(patch, folder_reader(folder))
+    if failure is not None:
+        where = f" hunk #{failure.hunk} (line {failure.line})" if failure.hunk else ""
+        raise PatchFailed(f"{patch_file} does not apply to {folder}: {failure.file}{where}: {failure.reason}")
+    ceiling = {"GIT_CEILING_DIRECTORIES": str(folder.parent)}
+    r = run_git(folder, "apply", "--whitespace=nowarn", str(patch_file.resolve()), env=ceiling)
+    if r.rc != 0:
+        raise PatchFailed(f"{patch_file} does not apply to {folder}: {_git_reason(r.err)}")
 
 
 def _git_reason(err: str) -> str:
@@ -404,9 +427,13 @@ def rebase_continue(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str,
             f"nothing to commit for {name}: make its changes by hand, or `rebase --skip` to drop it"
         )
     commit_patch(tree, by_name[name])
-    outcome = dict(state["current"])
-    outcome["status"] = "resolved"
-    state["outcomes"].append(outcome)
+    return _step_done(tree, patches, state, "resolved")
+
+
+def _step_done(tree: Tree, patches: list[Patch], state: dict[str, Any],
+               status: str) -> tuple[Report, dict[str, Any] | None]:
+    """Record the conflicted step as ``status`` (resolved, skipped) and go on with the rest."""
+    state["outcomes"].append(dict(state["current"]) | {"status": status})
     state["remaining"].pop(0)
     state["current"] = None
     _save_rebase(tree, state)
@@ -438,12 +465,6 @@ def rebase_skip(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str, Any
     its file aside in patches/skipped/."""
     state = _conflicted_state(tree, "skip")
     tree.reset_hard("HEAD")
-    outcome = dict(state["current"])
-    outcome["status"] = "skipped"
     dropped = tree.read_state().get("dropped", [])
-    tree.write_state(dropped=sorted({*dropped, outcome["patch"]}))
-    state["outcomes"].append(outcome)
-    state["remaining"].pop(0)
-    state["current"] = None
-    _save_rebase(tree, state)
-    return _rebase_run(tree, patches, state)
+    tree.write_state(dropped=sorted({*dropped, state["current"]["patch"]}))
+    return _step_done(tree, patches, state, "skipped")

@@ -17,15 +17,15 @@ Patch file format (git format-patch style, deterministic)::
     ...
 
 The diff is parsed here (files, hunks, paths) so that a patch writing outside the tree is refused
-before git sees it, and so that a hunk that does not apply *exactly* (no fuzz, no offset) can be
-named with its file, number and line.
+before git sees it; ``hunks.py`` (the in-memory applier) then proves every hunk applies *exactly*
+(no fuzz, no offset) or names its file, number and line.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -52,10 +52,6 @@ class Hunk:
     new_start: int
     new_len: int
     lines: tuple[bytes, ...]  # with their ' ', '-', '+' prefix; no line terminators
-
-    @property
-    def preimage(self) -> list[bytes]:
-        return [ln[1:] for ln in self.lines if ln[:1] in (b" ", b"-")]
 
     @cached_property
     def text_lines(self) -> tuple[tuple[str, str], ...]:
@@ -391,6 +387,15 @@ def parse_patch(path: Path) -> Patch:
     return Patch(path.name, path, header, tuple(files), hashlib.sha256(data).hexdigest())
 
 
+def diff_patch(diff: bytes | str, name: str = "diff", feature: str | None = None,
+               path: Path | None = None) -> Patch:
+    """A bare diff (``git diff upstream``, a ``--patch-file``) as a one-file-set Patch with the given
+    feature (no header needed)."""
+    data = diff.encode("utf-8", errors="surrogateescape") if isinstance(diff, str) else diff
+    return Patch(name, path or Path(name), PatchHeader(subject=name, feature=feature or ""),
+                 tuple(parse_diff(data, name)), hashlib.sha256(data).hexdigest())
+
+
 def render_patch(template_dirs: Iterable[Path], header: PatchHeader, diff: bytes) -> bytes:
     text = render(
         list(template_dirs),
@@ -403,73 +408,3 @@ def render_patch(template_dirs: Iterable[Path], header: PatchHeader, diff: bytes
         filename=header.filename,
     )
     return text.encode("utf-8") + diff
-
-
-# -- exact applicability (no fuzz, no offset) --------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HunkFailure:
-    file: str
-    hunk: int | None
-    line: int | None
-    reason: str
-
-
-def _find(content: list[bytes], pre: list[bytes], around: int) -> int | None:
-    best: int | None = None
-    for start in range(0, len(content) - len(pre) + 1):
-        if content[start: start + len(pre)] == pre and (
-            best is None or abs(start - around) < abs(best - around)
-        ):
-            best = start
-    return best
-
-
-def _first_difference(expected: str, got: str) -> str:
-    pairs = enumerate(zip(expected, got, strict=False))
-    col = next((k for k, (a, b) in pairs if a != b), min(len(expected), len(got)))
-    return f" (they differ from column {col + 1})"
-
-
-def check_exact(patch: Patch, read: Callable[[str], bytes | None]) -> HunkFailure | None:
-    """The first hunk of ``patch`` whose preimage is not at exactly its stated line, or None.
-
-    ``read(path)`` gives the current content of a file (None when absent).
-    """
-    for fp in patch.files:
-        if fp.binary:
-            continue
-        if fp.old_path is None:
-            if read(fp.new_path or "") is not None:
-                return HunkFailure(fp.path, None, None, "the patch creates it but it already exists")
-            continue
-        data = read(fp.old_path)
-        if data is None:
-            return HunkFailure(fp.old_path, None, None, "the file does not exist")
-        content = data.split(b"\n")
-        for hunk in fp.hunks:
-            pre = hunk.preimage
-            start = hunk.old_start - 1 if hunk.old_len else hunk.old_start
-            if content[start: start + len(pre)] == pre:
-                continue
-            found = _find(content, pre, start) if pre else None
-            if found is not None:
-                offset = found - start
-                reason = (
-                    f"context found {abs(offset)} line(s) {'later' if offset > 0 else 'earlier'} "
-                    f"(line {found + 1}); refused: patches must apply exactly (no fuzz, no offset)"
-                )
-            else:
-                mismatch = next(
-                    (k for k, ln in enumerate(pre) if start + k >= len(content) or content[start + k] != ln),
-                    0,
-                )
-                expected = pre[mismatch].decode("utf-8", "replace") if pre else ""
-                at = start + mismatch
-                got = content[at].decode("utf-8", "replace") if at < len(content) else None
-                reason = f"context does not match at line {at + 1}: expected {expected!r}, " + (
-                    f"found {got!r}{_first_difference(expected, got)}" if got is not None
-                    else "found the end of the file")
-            return HunkFailure(fp.old_path, hunk.number, hunk.old_start, reason)
-    return None

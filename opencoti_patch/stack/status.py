@@ -8,7 +8,7 @@ from ..config import Settings
 from ..errors import OpencotiError
 from .apply import rebase_state
 from .series import parse_patch, read_series
-from .tree import Tree
+from .tree import StackCommit, Tree
 from .upstream import load_upstream
 
 
@@ -37,23 +37,8 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
     else:
         data["backup"] = f"{tree.tag} (manifest present; `backup --verify` to prove it)" \
             if tree.manifest_path(tree.pin).is_file() else f"{tree.tag} (manifest MISSING)"
-    by_name = {name: settings.patches_dir / name for name in series}
-    stack = tree.stack()
-    applied = []
-    for c in stack:
-        if c.patch is None:
-            data["uncaptured_commits"].append(f"{c.sha[:12]} {c.subject}")
-            continue
-        state = "ok"
-        if c.patch not in by_name:
-            state = "not in series"
-        elif not by_name[c.patch].is_file():
-            state = "file missing"
-        elif parse_patch(by_name[c.patch]).sha256 != c.patch_sha256:
-            state = "file changed since applied"
-        applied.append({"name": c.patch, "state": state})
-    data["applied"] = applied
-    names = {a["name"] for a in applied}
+    data["applied"], data["uncaptured_commits"] = applied_patches(settings, tree.stack(), series)
+    names = {a["name"] for a in data["applied"]}
     data["unapplied"] = [n for n in series if n not in names]
     data["dirty"] = tree.dirty()
     data["interrupted"] = tree.interrupted()
@@ -67,17 +52,52 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
     return data
 
 
-def stale_against_series(tree: Tree) -> list[str]:
-    """Why the tree's files are not exactly pristine + patches/series (empty: they are)."""
+def applied_patches(settings: Settings, stack: list[StackCommit], series: list[str]
+                    ) -> tuple[list[dict[str, str]], list[str]]:
+    """The patch commits of ``stack`` with their state against patches/ (``ok``, ``not in series``,
+    ``file missing``, ``file changed since applied``), and the commits not captured as patches."""
+    applied: list[dict[str, str]] = []
+    loose: list[str] = []
+    for c in stack:
+        if c.patch is None:
+            loose.append(f"{c.sha[:12]} {c.subject}")
+            continue
+        path = settings.patches_dir / c.patch
+        state = "ok"
+        if c.patch not in series:
+            state = "not in series"
+        elif not path.is_file():
+            state = "file missing"
+        elif parse_patch(path).sha256 != c.patch_sha256:
+            state = "file changed since applied"
+        applied.append({"name": c.patch, "state": state})
+    return applied, loose
+
+
+def stale_against_series(tree: Tree, rev: str | None = None) -> list[str]:
+    """Why the tree's files (or, with ``rev``, that commit of the tree) are not exactly pristine +
+    patches/series (empty: they are)."""
     settings = tree.settings
     series = read_series(settings.patches_dir) if settings.series_file.is_file() else []
-    data = status_data(settings)
-    problems = [f"{a['name']}: {a['state']}" for a in data["applied"] if a["state"] != "ok"]
-    problems += [f"{n}: not applied" for n in data["unapplied"]]
-    problems += [f"uncaptured commit {c}" for c in data["uncaptured_commits"]]
-    if data["dirty"]:
-        problems.append(f"{len(data['dirty'])} uncaptured edit(s) ({data['dirty'][0].strip()}, ...)")
-    if [a["name"] for a in data["applied"]] != series[: len(data["applied"])]:
+    if rev is None:
+        data = status_data(settings)
+        applied, loose, dirty = data["applied"], data["uncaptured_commits"], data["dirty"]
+    else:
+        if tree.rev(rev) is None:
+            raise OpencotiError(f"--rev {rev}: no such commit in {tree.path}")
+        try:
+            stack = tree.stack(rev)
+        except OpencotiError as exc:
+            return [exc.message]
+        applied, loose = applied_patches(settings, stack, series)
+        dirty = []  # the commit is built, not the files on disk
+    names = [a["name"] for a in applied]
+    problems = [f"{a['name']}: {a['state']}" for a in applied if a["state"] != "ok"]
+    problems += [f"{n}: not applied" for n in series if n not in names]
+    problems += [f"uncaptured commit {c}" for c in loose]
+    if dirty:
+        problems.append(f"{len(dirty)} uncaptured edit(s) ({dirty[0].strip()}, ...)")
+    if names != series[: len(names)]:
         problems.append("the applied patches are not the series' order")
     if data["rebase"]:
         problems.append(f"a rebase onto {data['rebase']['to']} is not finished (`snapshot` writes its "

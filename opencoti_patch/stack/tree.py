@@ -9,6 +9,10 @@ Layout of ``<tree>/.git``:
   touched anything), and the git tree id of the upstream commit.
 - ``opencoti/state.json``: the pin the tree is on; ``opencoti/txn``: present while an apply runs.
 
+Before the backup there is no ``.git``: ``fetch`` records the pin it put there beside the tree
+(``.<tree>.fetched.json``), and ``backup`` reads it. ``Tree`` owns all of it: the repository, its
+state files, the fetch record and so the pin.
+
 Every git call runs with the user's and system git config ignored, line-ending and filter
 attributes off (``info/attributes``) and fixed identity/dates, so the backup and the patch commits
 are byte-exact and the same on every machine.
@@ -23,7 +27,6 @@ import os
 import re
 import shutil
 import stat
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -37,9 +40,7 @@ import git
 
 from ..config import (
     BRANCH,
-    COMMITTER,
     DEFAULT_AUTHOR,
-    FIXED_DATE,
     HASH_TRAILER,
     PATCH_TRAILER,
     STATE_DIR,
@@ -49,8 +50,9 @@ from ..config import (
 )
 from ..errors import CheckFailed, LockBusy, OpencotiError
 from ..report import info
+from .gitrun import GitResult, isolated_env
 from .series import FIELD_RE, PatchHeader
-from .upstream import Pin
+from .upstream import Pin, Upstream, materialize, sha256_file
 
 ATTRIBUTES = "* -text -filter -ident -working-tree-encoding\n"
 REPO_CONFIG = {
@@ -64,47 +66,6 @@ REPO_CONFIG = {
     "advice.detachedHead": "false",
 }
 TRAILER_RE = re.compile(rf"^({PATCH_TRAILER}|{HASH_TRAILER}):[ \t]*(\S+)\s*$")
-
-
-@dataclass(frozen=True)
-class GitResult:
-    rc: int
-    out: str | bytes
-    err: str
-
-    @property
-    def text(self) -> str:
-        return self.out if isinstance(self.out, str) else self.out.decode("utf-8", "replace")
-
-
-def isolated_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """git with the user's and system config ignored, fixed identity and dates."""
-    name, email = COMMITTER
-    env = {
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_CONFIG_GLOBAL": os.devnull,
-        "GIT_TERMINAL_PROMPT": "0",
-        "LC_ALL": "C",
-        "GIT_COMMITTER_NAME": name,
-        "GIT_COMMITTER_EMAIL": email,
-        "GIT_COMMITTER_DATE": FIXED_DATE,
-        "GIT_AUTHOR_NAME": name,
-        "GIT_AUTHOR_EMAIL": email,
-        "GIT_AUTHOR_DATE": FIXED_DATE,
-    }
-    env.update(extra or {})
-    return env
-
-
-def run_git(path: Path, *args: str, check: bool = False, env: dict[str, str] | None = None) -> GitResult:
-    """git in any folder (not only a managed tree) with the same isolation as ``Tree.git``; bytes out."""
-    proc = subprocess.run(["git", "-C", str(path), *args], capture_output=True,
-                          env={**os.environ, **(env or {}), **isolated_env()})
-    result = GitResult(proc.returncode, proc.stdout, proc.stderr.decode("utf-8", "replace"))
-    if check and result.rc != 0:
-        last = (result.err.strip().splitlines() or ["(no message)"])[-1]
-        raise OpencotiError(f"git {' '.join(args[:3])} failed in {path}: {last}")
-    return result
 
 
 @dataclass(frozen=True)
@@ -186,12 +147,8 @@ def parse_message(message: str, author: str = "") -> tuple[PatchHeader, str | No
 def file_digest(path: Path) -> dict[str, str]:
     if path.is_symlink():
         return {"sha256": hashlib.sha256(os.fsencode(os.readlink(path))).hexdigest(), "mode": "120000"}
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
     mode = "100755" if os.stat(path).st_mode & stat.S_IXUSR else "100644"
-    return {"sha256": digest.hexdigest(), "mode": mode}
+    return {"sha256": sha256_file(path), "mode": mode}
 
 
 def scan(root: Path) -> dict[str, dict[str, str]]:
@@ -345,6 +302,31 @@ class Tree:
     def tag(self) -> str:
         return TAG_PREFIX + self.pin
 
+    # -- fetch: the tree folder before it is a repository ------------------------------------------
+
+    @property
+    def fetch_record(self) -> Path:
+        """Beside the tree: which pin ``fetch`` put there (``backup`` reads it)."""
+        return self.path.parent / f".{self.path.name}.fetched.json"
+
+    def fetch(self, pin: Pin, upstream: Upstream, from_file: Path | None = None, progress: bool = True,
+              download_only: bool = False) -> str:
+        """Put the pristine tree of ``pin`` at the tree folder and record the pin; returns the source."""
+        used = materialize(pin, upstream, self.settings, self.path, from_file, progress=progress,
+                           download_only=download_only)
+        if not download_only:
+            self.fetch_record.write_text(json.dumps({"pin": pin.name, "source": used}, indent=1) + "\n")
+        return used
+
+    def fetched_pin(self, upstream: Upstream, requested: str | None = None) -> Pin:
+        """The pin to back the fetched tree up as: what fetch recorded, checked against ``requested``."""
+        record = self.fetch_record
+        fetched = json.loads(record.read_text()).get("pin") if record.is_file() else None
+        if requested and fetched and requested != fetched:
+            raise OpencotiError(f"{self.path} was fetched as pin {fetched}, not {requested}: remove it and "
+                                f"fetch --pin {requested}, or back it up as {fetched}")
+        return upstream.pin(requested or fetched)
+
     def require(self) -> None:
         if not self.exists():
             raise OpencotiError(f"no tree at {self.path}: run `{self.settings.command('fetch')}` "
@@ -491,10 +473,10 @@ class Tree:
         out = self.git("status", "--porcelain=v1", "-z", "--untracked-files=all", "--no-renames").text
         return [item for item in out.split("\0") if item]
 
-    def stack(self) -> list[StackCommit]:
-        """Commits from the pristine upstream to HEAD, oldest first."""
+    def stack(self, rev: str = "HEAD") -> list[StackCommit]:
+        """Commits from the pristine upstream to ``rev`` (default HEAD), oldest first."""
         tag = self.tag
-        revs = self.git("rev-list", "--reverse", "--parents", f"{tag}..HEAD").text.split("\n")
+        revs = self.git("rev-list", "--reverse", "--parents", f"{tag}..{rev}").text.split("\n")
         commits = []
         for line in filter(None, revs):
             sha, *parents = line.split()
@@ -503,8 +485,8 @@ class Tree:
             message = self.git("show", "-s", "--format=%B", sha).text
             _, patch, patch_sha = parse_message(message)
             commits.append(StackCommit(sha, message, patch, patch_sha))
-        if commits and self.git("merge-base", "--is-ancestor", tag, "HEAD", check=False).rc != 0:
-            raise OpencotiError(f"{self.path}: HEAD is not on top of {tag}")
+        if commits and self.git("merge-base", "--is-ancestor", tag, rev, check=False).rc != 0:
+            raise OpencotiError(f"{self.path}: {rev} is not on top of {tag}")
         return commits
 
     def author_of(self, sha: str) -> str:

@@ -16,11 +16,9 @@ A sha256 mismatch is an error (nothing is extracted), never a reason to try the 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -34,7 +32,8 @@ from ..config import TAG_PREFIX, Settings
 from ..errors import OpencotiError
 from ..progress import progress as progress_bar
 from ..report import info
-from ..safe_extract import extract_tar
+from ..safe_extract import extract_tar, staged
+from .gitrun import run_git
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -323,39 +322,17 @@ def check_source_dir(folder: Path, pin: Pin, dest: Path) -> None:
         raise OpencotiError(f"--from {folder}: a tree managed by opencoti-patch (its files may be patched); "
                             "use a pristine source, or `restore` that tree")
     if (folder / ".git").is_dir():
-        env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "LC_ALL": "C"}
-        head = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], env=env, capture_output=True,
-                              text=True).stdout.strip()
+        head = run_git(folder, "rev-parse", "HEAD").text.strip()
         if not head.startswith(pin.commit):
             raise OpencotiError(f"--from {folder}: a git checkout of {head[:12] or 'no commit'}, "
                                 f"not pin {pin.name} ({pin.commit})")
-        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain"], env=env,
-                               capture_output=True, text=True).stdout.strip()
+        dirty = run_git(folder, "status", "--porcelain").text.strip()
         if dirty:
             raise OpencotiError(f"--from {folder}: the checkout has local changes "
                                 f"({dirty.splitlines()[0].strip()}, ...)")
         return
     info(f"note: --from {folder} is a plain folder: it cannot be checked against pin {pin.name}'s "
          "sha256; it is taken as that pin's pristine tree as it is")
-
-
-def fetch_record(dest: Path) -> Path:
-    """Beside the tree: which pin ``fetch`` put there (``backup`` reads it)."""
-    return dest.parent / f".{dest.name}.fetched.json"
-
-
-def record_fetch(dest: Path, pin: Pin, used: str) -> None:
-    fetch_record(dest).write_text(json.dumps({"pin": pin.name, "source": used}, indent=1) + "\n")
-
-
-def fetched_pin(upstream: Upstream, dest: Path, requested: str | None) -> Pin:
-    """The pin of a fetched (not yet backed-up) tree: what fetch recorded, checked against --pin."""
-    record = fetch_record(dest)
-    fetched = json.loads(record.read_text()).get("pin") if record.is_file() else None
-    if requested and fetched and requested != fetched:
-        raise OpencotiError(f"{dest} was fetched as pin {fetched}, not {requested}: remove it and "
-                            f"fetch --pin {requested}, or back it up as {fetched}")
-    return upstream.pin(requested or fetched)
 
 
 def _drop(root: Path, rel: str) -> None:
@@ -366,20 +343,12 @@ def _drop(root: Path, rel: str) -> None:
         shutil.rmtree(target)
 
 
-def _run_git(args: list[str], cwd: Path | None = None) -> None:
-    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1",
-           "GIT_CONFIG_GLOBAL": os.devnull, "LC_ALL": "C"}
-    proc = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise OpencotiError(f"git {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
-
-
 def _from_git(src: Source, dest: Path) -> None:
     assert src.url and src.commit
     with tempfile.TemporaryDirectory(prefix=".opencoti-git-", dir=dest.parent) as tmp:
         clone = Path(tmp) / "clone"
-        _run_git(["clone", "--quiet", "--no-checkout", src.url, str(clone)])
-        _run_git(["-c", "advice.detachedHead=false", "checkout", "--quiet", src.commit], cwd=clone)
+        run_git(Path(tmp), "clone", "--quiet", "--no-checkout", src.url, str(clone), check=True)
+        run_git(clone, "-c", "advice.detachedHead=false", "checkout", "--quiet", src.commit, check=True)
         shutil.rmtree(clone / ".git")
         root = clone / src.subdir if src.subdir else clone
         if not root.is_dir():
@@ -395,16 +364,9 @@ def _from_dir(src: Source, base: Path, dest: Path) -> None:
         root = root / src.subdir
     if not root.is_dir():
         raise OpencotiError(f"dir source {root}: no such folder")
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-    try:
-        shutil.rmtree(staging)
-        shutil.copytree(
-            root, staging, symlinks=True, ignore=lambda d, _names: [".git"] if d == str(root) else []
-        )
-        staging.rename(dest)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with staged(dest) as staging:
+        shutil.copytree(root, staging, symlinks=True, dirs_exist_ok=True,
+                        ignore=lambda d, _names: [".git"] if d == str(root) else [])
 
 
 def materialize(
@@ -462,7 +424,6 @@ def materialize(
             continue
         for rel in exclude:  # git/dir sources, and a top-level .git the archive filter did not see
             _drop(dest, rel)
-        record_fetch(dest, pin, used)
         return used
     raise OpencotiError(
         f"no source of pin {pin.name} worked ({'; '.join(errors) or 'none applicable'}); "
