@@ -29,7 +29,7 @@ import requests
 from ..config import Settings
 from ..errors import OpencotiError
 from ..report import info
-from .tree import run_git
+from .gitrun import run_git
 from .upstream import (
     LLAMA_CPP_GIT,
     Source,

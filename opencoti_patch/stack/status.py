@@ -82,6 +82,7 @@ def stale_against_series(tree: Tree, rev: str | None = None) -> list[str]:
     if rev is None:
         data = status_data(settings)
         applied, loose, dirty = data["applied"], data["uncaptured_commits"], data["dirty"]
+        rebase = data["rebase"]
     else:
         if tree.rev(rev) is None:
             raise OpencotiError(f"--rev {rev}: no such commit in {tree.path}")
@@ -91,6 +92,7 @@ def stale_against_series(tree: Tree, rev: str | None = None) -> list[str]:
             return [exc.message]
         applied, loose = applied_patches(settings, stack, series)
         dirty = []  # the commit is built, not the files on disk
+        rebase = None  # a commit is what it is, whatever the tree is doing now
     names = [a["name"] for a in applied]
     problems = [f"{a['name']}: {a['state']}" for a in applied if a["state"] != "ok"]
     problems += [f"{n}: not applied" for n in series if n not in names]
@@ -99,8 +101,8 @@ def stale_against_series(tree: Tree, rev: str | None = None) -> list[str]:
         problems.append(f"{len(dirty)} uncaptured edit(s) ({dirty[0].strip()}, ...)")
     if names != series[: len(names)]:
         problems.append("the applied patches are not the series' order")
-    if data["rebase"]:
-        problems.append(f"a rebase onto {data['rebase']['to']} is not finished (`snapshot` writes its "
-                        "patches)" if data["rebase"]["done"] else
-                        f"a rebase onto {data['rebase']['to']} stopped at a conflict")
+    if rebase:
+        problems.append(f"a rebase onto {rebase['to']} is not finished (`snapshot` writes its "
+                        "patches)" if rebase["done"] else
+                        f"a rebase onto {rebase['to']} stopped at a conflict")
     return problems
