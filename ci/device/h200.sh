@@ -80,8 +80,8 @@ pipeline_env() {
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$W/site" "$ROOT"/.carry/wheels/*.whl || return 1
     mkdir -p "$W/pristine" "$W/bin"
     tar xzf "$ROOT/.carry/llama-pristine.tar.gz" -C "$W/pristine" || return 1
-    printf '#!/bin/sh\nexec python3 -c "import sys; from opencoti_patch.cli import main; sys.exit(main())" "$@"\n' \
-        > "$W/bin/opencoti-patch"
+    printf '#!/bin/sh\nexec python3 -c "import sys; sys.argv[0] = %s; from opencoti_patch.cli import main; sys.exit(main())" "$@"\n' \
+        "'opencoti-patch'" > "$W/bin/opencoti-patch"
     chmod +x "$W/bin/opencoti-patch"
 }
 
