@@ -15,7 +15,7 @@
 # `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch bench pack --rev upstream/<pin>
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
-# Stages (default: tests bench budgets bench-q8 bench-14b): also batched, rebuild-cost, test-fa-all
+# Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all
 set -u
 ROOT=$(pwd)
 W=${OPENCOTI_DEVICE_WORK:-/tmp/ocw}
@@ -128,6 +128,10 @@ start() {
             run_stage test-fa-sparse "$BIN/test-backend-ops" -o FLASH_ATTN_EXT -p block_size -b $BACKEND
             run_stage test-kv     "$BIN/test-sparse-attn-kv" -g
             run_stage perf-ops    "$BIN/test-backend-ops" perf -o SPARSE_ATTN_SELECT -b $BACKEND
+            run_stage perf-fa     "$BIN/test-backend-ops" perf -o FLASH_ATTN_EXT -p block_size -b $BACKEND ;;
+        perf) # per-op timings only (the pipeline's optests already ran the correctness cases)
+            run_stage perf-ops    "$BIN/test-backend-ops" perf -o SPARSE_ATTN_SELECT -b $BACKEND
+            run_stage perf-fill   "$BIN/test-backend-ops" perf -o SPARSE_ATTN_FILL -b $BACKEND
             run_stage perf-fa     "$BIN/test-backend-ops" perf -o FLASH_ATTN_EXT -p block_size -b $BACKEND ;;
         rebuild-cost)
             run_stage rebuild-f16 "$BIN/test-sparse-attn-kv" -g --bench 131072 f16 32
