@@ -16,6 +16,7 @@
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
 # Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all
+# (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072)
 set -u
 ROOT=$(pwd)
 W=${OPENCOTI_DEVICE_WORK:-/tmp/ocw}
@@ -139,7 +140,7 @@ start() {
         test-fa-all)
             run_stage test-fa     "$BIN/test-backend-ops" -o FLASH_ATTN_EXT -b $BACKEND ;;
         bench)
-            bench bench-f16 "$M8B" -r 2 -d 0,8192,16384,32768,65536,131072 -sa 0,1 -sak 32 ;;
+            bench bench-f16 "$M8B" -r 2 -d "${BENCH_DEPTHS:-0,8192,16384,32768,65536,131072}" -sa 0,1 -sak 32 ;;
         batched)
             # the normal decode path with a real prefill; B = 4 sequences in one unified stream (each its own selection)
             for sa in off on; do
