@@ -175,3 +175,36 @@ def test_rebase_unmarked_conflict_is_left_for_a_person(project: Project) -> None
     out = project.run("rebase", "--to", PIN_B, code=3).stdout
     assert "conflicted 0001-unmarked.patch" in out and "left          src/a.c:" in out
     assert "<<<<<<< ours" in (project.tree / "src" / "a.c").read_text()
+
+
+def test_orphan_region_goes_where_the_deleted_upstream_code_was() -> None:
+    """An older upstream lacks the case our region followed: the region takes its place."""
+    text = conflict(["    case GGML_OP_A:", "        break;", "    default:"],
+                    ["    case GGML_OP_A:", "        break;", "    case GGML_OP_NEWER: {", "        f();",
+                     "    } break;", "    default:"],
+                    ["    case GGML_OP_A:", "        break;", "    case GGML_OP_NEWER: {", "        f();",
+                     "    } break;", BEGIN, "    case GGML_OP_OURS:", "        break;", END, "    default:"])
+    result = resolve_text("f.c", text)
+    assert not result.left, result.left
+    # the nearest anchor rule places it before `default:` (its base neighbour after) already
+    assert result.text.split("\n")[1:8] == ["    case GGML_OP_A:", "        break;", BEGIN,
+                                            "    case GGML_OP_OURS:", "        break;", END, "    default:"]
+
+
+def test_orphan_region_when_both_neighbours_are_gone() -> None:
+    text = conflict(["int kept2;"],
+                    ["int kept;", "void newer(void) {", "}", "void newer2(void) {", "}", "int kept2;"],
+                    ["int kept;", "void newer(void) {", "}", BEGIN, "void ours(void);", END,
+                     "void newer2(void) {", "}", "int kept2;"])
+    result = resolve_text("f.c", text)
+    assert not result.left and result.resolved[0].rules == ["marker-region-orphan"]
+    assert result.text.split("\n")[1:5] == [BEGIN, "void ours(void);", END, "int kept2;"]
+
+
+def test_orphan_region_inside_deleted_enclosing_code_stays() -> None:
+    """The CMake case: our source sat inside a `set(...)` upstream does not have: a conflict."""
+    text = conflict([], ["set(SOURCES", "    a.cpp", "    z.cpp", ")"],
+                    ["set(SOURCES", "    a.cpp", "    # UPSTREAM_SYNC(sparse-attn): begin", "    ours.cpp",
+                     "    # UPSTREAM_SYNC(sparse-attn): end", "    z.cpp", ")"])
+    result = resolve_text("CMakeLists.txt", text)
+    assert result.text == text and len(result.left) == 1 and not result.resolved

@@ -212,6 +212,11 @@ def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
 @click.option("--feature", help="Feature flag gating it, e.g. 'sparse-attn (--sparse-attn, default off)'.")
 @click.option("--upstream-status", help="Upstream-Status: Pending | Submitted [url] | Inappropriate [why].")
 @click.option("--author", help="Author 'Name <email>' (default: opencoti <patches@opencoti.invalid>).")
+@click.option("--test", "tests", multiple=True, metavar="CHECK",
+              help="A `Test:` line of the header (repeatable; replaces the patch's own): `markers` or a "
+                   "build target with its arguments, run by `check` after this patch.")
+@click.option("--patch", "patch_name", metavar="NNNN-name.patch",
+              help="Edit the header of this applied patch (instead of the top or a new one).")
 @click.option("--check", is_flag=True, help="Write nothing; exit 4 when patches/ is stale vs the tree (CI).")
 @click.option("--no-verify", is_flag=True, help="Skip the round-trip proof.")
 @click.option("--mark", is_flag=True,
@@ -220,16 +225,18 @@ def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
 @common_options
 def snapshot_cmd(settings: Settings, top: bool, new_name: str | None, subject: str | None,
                  description: str | None, feature: str | None, upstream_status: str | None,
-                 author: str | None, check: bool, no_verify: bool, mark: bool, as_json: bool) -> None:
+                 author: str | None, tests: tuple[str, ...], patch_name: str | None, check: bool,
+                 no_verify: bool, mark: bool, as_json: bool) -> None:
     """Write the tree's edits and commits back into patches/ (alias: refresh).
 
     Edits go into the top patch (--top, or by default when they only touch its files) or a new
     one (--new NAME). Patch files are rendered deterministically, then the round trip is proven:
     pristine upstream + the series gives the edited tree's exact git tree hash.
     """
-    if top and new_name:
-        raise click.UsageError("--top and --new are exclusive")
-    new = NewPatch(new_name, subject, description, feature, upstream_status, author)
+    if sum(map(bool, (top, new_name, patch_name))) > 1:
+        raise click.UsageError("--top, --new and --patch are exclusive")
+    new = NewPatch(new_name, subject, description, feature, upstream_status, author,
+                   tests=tests or None, patch=patch_name)
     tree = Tree(settings)
     with tree_lock(settings):
         result = snapshot(tree, new, top=top, check=check, verify=not no_verify)

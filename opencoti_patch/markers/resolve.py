@@ -222,6 +222,36 @@ def rule_marker_region(block: Block, ch: Change, lo: int, drift: int) -> tuple[i
                        f"and {base[ch.i1].strip()!r}")
 
 
+def rule_orphan_region(block: Block, ch: Change, lo: int, drift: int) -> tuple[int, int, list[str], str]:
+    """An inserted region whose neighbours upstream deleted (upstream code it sat among is gone): it
+    goes where that code was, only when it stood at nesting depth 0 of the deleted code (balanced
+    brackets before and after it), so the deletion did not take away what encloses the region (a
+    source list inside a deleted ``set(...)`` stays a conflict)."""
+    sm = difflib.SequenceMatcher(None, block.base, block.ours, autojunk=False)
+    for tag, a1, a2, b1, _b2 in sm.get_opcodes():
+        if tag == "delete" and a1 <= ch.i1 <= a2 and b1 >= lo:
+            before, after = _depths(block.base[a1:ch.i1]), _depths(block.base[ch.i1:a2])
+            if before == (0, 0) and after == (0, 0):
+                return b1, b1, ch.new, f"where upstream's {a2 - a1} deleted line(s) were"
+            raise Unresolvable("a marked region inside upstream code that upstream deleted")
+    raise Unresolvable("no anchor for a marked region: upstream changed the lines around it")
+
+
+BRACKETS = {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}
+
+
+def _depths(lines: Sequence[str]) -> tuple[int, int]:
+    """(depth at the end, lowest depth on the way) of the brackets in ``lines`` (0, 0: balanced and
+    never closing what was opened before them)."""
+    depth = low = 0
+    for ln in lines:
+        code = ln.split("//", 1)[0]
+        for c in code:
+            depth += BRACKETS.get(c, 0)
+            low = min(low, depth)
+    return depth, low
+
+
 def rule_region_replace(block: Block, ch: Change, lo: int, drift: int) -> tuple[int, int, list[str], str]:
     """A region that replaced base lines upstream left as they were."""
     old = block.base[ch.i1:ch.i2]
@@ -291,7 +321,8 @@ def resolve_block(block: Block) -> tuple[list[str], list[str], str]:
     lo = drift = 0
     for ch in changes:
         if ch.i1 == ch.i2:
-            placers: tuple[tuple[str, Placer], ...] = (("marker-region", rule_marker_region),)
+            placers: tuple[tuple[str, Placer], ...] = (("marker-region", rule_marker_region),
+                                                       ("marker-region-orphan", rule_orphan_region))
         else:
             placers = (("marker-region-replace", rule_region_replace), ("count", rule_count))
         name, (a, b, new, detail) = _place(placers, block, ch, lo, drift)
