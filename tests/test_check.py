@@ -74,3 +74,54 @@ def test_check_catches_the_broken_middle_patch(project: Project, monkeypatch: py
     result = project.run("check", "--targets", "tiny-test", "--check-root", str(root), "--no-progress")
     assert "ok      0002-broken.patch  (tiny-test: ok)" in result.stdout
     assert "ok      0003-third.patch  (no Test: line)" in result.stdout
+
+
+STUB = """#!/bin/sh
+echo "$*" >> "$LOG"
+case "$1" in
+  pin) [ "$2" = list ] && echo '{"pins": [{"name": "old"}]}' ;;
+  rebase) echo '{"outcomes": [{"patch": "0001-a.patch", "status": "'$REBASE_STATUS'",
+          "resolved": [{"file": "a.c", "lines": "3-5", "rules": ["marker-region"]}],
+          "left": [{"file": "b.c", "lines": "7-9", "why": "unmarked"}]}], "pending": false}'
+          [ "$REBASE_STATUS" = conflicted ] && exit 3 ;;
+  check) echo '{"ok": true}' ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("status", ["auto-resolved", "conflicted"])
+def test_rebuild_to_pin_path(tmp_path: Path, status: str) -> None:
+    """ci/rebuild.sh --to PIN: pin add -> prepare -> rebase -> snapshot -> check -> verify -> rebuild;
+    a conflict stops it (exit 3) with the report and the conflicted files in the artifact folder."""
+    import subprocess
+
+    stub = tmp_path / "oc"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+    build = tmp_path / "work" / "verify-cpu" / "patched" / "build"  # what the (stub) rebuild made
+    build.mkdir(parents=True)
+    for name in ("opencoti-build-manifest.json", "opencoti-build-manifest.md"):
+        (build / name).write_text("{}")
+    env = {"PATH": "/usr/bin:/bin", "OPENCOTI": str(stub), "OPENCOTI_WORK": str(tmp_path / "work"),
+           "OPENCOTI_TREE": str(tree), "LOG": str(tmp_path / "log"), "REBASE_STATUS": status,
+           "HOME": str(tmp_path)}
+    script = Path(__file__).resolve().parents[1] / "ci" / "rebuild.sh"
+    res = subprocess.run([str(script), "--to", "0.3.35"], env=env, capture_output=True, text=True,
+                         cwd=tmp_path)
+    calls = [ln.split()[0] + (" " + ln.split()[1] if ln.startswith("pin") else "")
+             for ln in (tmp_path / "log").read_text().splitlines()]
+    out = tmp_path / "work" / "artifacts" / "bump-0.3.35"
+    assert "auto-resolved a.c:3-5 (marker-region)" in (out / "rebase.txt").read_text()
+    if status == "conflicted":
+        assert res.returncode == 3, res.stderr
+        assert calls == ["pin list", "pin add", "prepare", "rebase"]
+        assert "left conflicts for a person" in res.stderr
+    else:
+        assert res.returncode == 0, res.stderr
+        assert calls[:6] == ["pin list", "pin add", "prepare", "rebase", "snapshot", "check"]
+        assert calls[6:8] == ["verify-identical", "rebuild"]
+        assert json.loads((out / "check.json").read_text()) == {"ok": True}
