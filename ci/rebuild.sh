@@ -3,6 +3,13 @@
 # same stages. Run it on every upstream bump or patch change:
 #
 #   ci/rebuild.sh [--cuda] [STAGE ...]        (no STAGE: all of them, in order)
+#   ci/rebuild.sh [--cuda] --to PIN           the upstream bump: pin add PIN (if new; PIN_ARGS, default
+#                                             --pypi PIN) -> prepare (old pin) -> rebase --to PIN
+#                                             (marker-aware auto-resolution) -> snapshot -> check ->
+#                                             verify -> rebuild + stamp -> publish; on a conflict it
+#                                             stops (exit 3) leaving $ARTIFACTS/bump-PIN/ with the
+#                                             rebase report (rebase.json, rebase.txt) and the
+#                                             conflicted files (conflicted/<path>)
 #
 # Stages: fetch backup apply markers verify rebuild optests publish
 #   fetch     download (cached, sha256-checked) + extract the pinned upstream into the tree
@@ -39,6 +46,17 @@ ARTIFACTS=${ARTIFACTS:-$OPENCOTI_WORK/artifacts}
 CUDA=${CUDA:-0}
 CUDA_ARCH=${CUDA_ARCH:-90-real}
 ALL_STAGES=(fetch backup apply markers verify rebuild optests publish)
+
+TO_PIN=""
+rest=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --to) [ $# -ge 2 ] || { echo "--to needs a pin" >&2; exit 2; }; TO_PIN=$2; shift 2 ;;
+        --to=*) TO_PIN=${1#--to=}; shift ;;
+        *) rest+=("$1"); shift ;;
+    esac
+done
+set -- "${rest[@]+"${rest[@]}"}"
 
 stages=()
 for arg in "$@"; do
@@ -130,6 +148,47 @@ stage_publish() {
     cp "$BUILD_DIR"/test-backend-ops-*.log "$BUILD_DIR"/test-sparse-attn*.log "$ARTIFACTS/" 2>/dev/null || true
     echo "artifacts in $ARTIFACTS:"; ls -la "$ARTIFACTS"
 }
+
+# -- the upstream bump (--to PIN) ---------------------------------------------------------------
+stage_bump() {
+    local out=$ARTIFACTS/bump-$TO_PIN rc=0
+    mkdir -p "$out"
+    if ! "$OC" pin list --json | python3 -c "import json,sys; sys.exit(0 if any(p['name'] == '$TO_PIN' for p in json.load(sys.stdin)['pins']) else 1)"; then
+        # shellcheck disable=SC2086
+        "$OC" pin add "$TO_PIN" ${PIN_ARGS:---pypi $TO_PIN}
+    fi
+    # shellcheck disable=SC2086
+    "$OC" prepare ${FETCH_ARGS:-}
+    "$OC" rebase --to "$TO_PIN" --json > "$out/rebase.json" || rc=$?
+    python3 - "$out/rebase.json" > "$out/rebase.txt" <<'PY'
+import json, sys
+text = open(sys.argv[1]).read()
+data = json.loads(text[text.index("{"):])
+for o in data["outcomes"]:
+    print(f"{o['status']:<14} {o['patch']}")
+    for r in o.get("resolved", []):
+        print(f"    auto-resolved {r['file']}:{r['lines']} ({', '.join(r['rules'])})")
+    for x in o.get("left", []):
+        print(f"    left          {x['file']}:{x['lines']}: {x['why']}")
+PY
+    cat "$out/rebase.txt"
+    if [ "$rc" != 0 ]; then
+        (cd "$TREE" && git diff --name-only --diff-filter=U) | while read -r f; do
+            mkdir -p "$out/conflicted/$(dirname "$f")"; cp "$TREE/$f" "$out/conflicted/$f"
+        done
+        echo "rebase onto $TO_PIN left conflicts for a person: $out (resolve in $TREE, then" \
+             "\`$OC rebase --continue\`, and run ci/rebuild.sh --to $TO_PIN again)" >&2
+        return "$rc"
+    fi
+    "$OC" snapshot
+    "$OC" check --no-cuda "${JOBS_ARG[@]}" --json > "$out/check.json"
+}
+
+if [ -n "$TO_PIN" ]; then
+    stage bump
+    for s in verify rebuild publish; do stage "$s"; done
+    exit 0
+fi
 
 for s in "${stages[@]}"; do
     case " ${ALL_STAGES[*]} " in

@@ -20,14 +20,17 @@ from ..build.builder import (
     have_gpu,
     rebuild,
 )
+from ..build.check import check_series
 from ..build.identical import VerifyConfig, raise_on_failure, verify_identical
 from ..build.workflow import WORKFLOW_OUT, write_workflow
 from ..config import Settings
-from ..errors import CheckFailed, OpencotiError
+from ..errors import CheckFailed, OpencotiError, PatchFailed
+from ..report import info
 from ..stack.gitrun import run_git
+from ..stack.series import load_series
 from ..stack.status import stale_against_series
 from ..stack.tree import Tree, tree_lock
-from .options import common_options
+from .options import common_options, emit
 
 
 def _targets(values: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
@@ -242,4 +245,68 @@ def ci_workflow_cmd(settings: Settings, out: Path | None, cuda_arch: str, check:
     click.echo(f"{path}: {'written' if changed else 'up to date'}")
 
 
-COMMANDS = [rebuild_cmd, verify_identical_cmd, ci_workflow_cmd]
+@click.command("check")
+@click.option("--targets", "targets", multiple=True, metavar="T1,T2",
+              help=f"Built after every patch (default: {', '.join(LIB_TARGETS[:4])}); each patch's "
+                   "`Test:` targets are added.")
+@click.option("--check-root", type=click.Path(file_okay=False, path_type=Path),
+              help="The source copy and the one build folder (default: <work-dir>/check).")
+@click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds per test.")
+@click.option("--verify", is_flag=True,
+              help="After the top patch, verify-identical of pristine against the checked tree "
+                   "(--accept-not-checked binaries, like ci/rebuild.sh).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout.")
+@build_options
+@common_options
+@click.pass_context
+def check_cmd(ctx: click.Context, settings: Settings, targets: tuple[str, ...], check_root: Path | None,
+              timeout: float, verify: bool, as_json: bool, cuda: bool | None, cuda_arch: str,
+              cpu_variant: str, no_ccache: bool, jobs: int | None, cmake_args: tuple[str, ...],
+              no_progress: bool) -> None:
+    """Apply the series one patch at a time onto pristine upstream; after each, build (CPU,
+    incremental, one build folder) and run the checks its header declares (`Test:` lines: `markers`
+    or a build target and its arguments). Stops at the first patch that fails to apply (exit 3), to
+    build or to pass a check (exit 4). Progress on stderr, --json report on stdout."""
+    tree = Tree(settings)
+    tree.require()
+    patches = load_series(settings.patches_dir)
+    opts = BuildOptions(targets=_targets(targets, LIB_TARGETS[:4]), optional_targets=(), cuda=bool(cuda),
+                        cuda_arch=cuda_arch, cpu_variant=cpu_variant, ccache=not no_ccache, jobs=jobs,
+                        extra_cmake=cmake_args)
+    root = (check_root or settings.work_dir / "check").resolve()
+    with tree_lock(settings):
+        report = check_series(settings.tree, tree.tag, patches, root, opts, pin=tree.pin, timeout=timeout,
+                              progress=info, build_progress=not no_progress and not as_json)
+    data = report.as_dict()
+    if verify and report.ok:
+        info("verify-identical: pristine against the checked tree")
+        try:
+            ctx.invoke(verify_identical_cmd, tree_path=settings.tree, work_dir=settings.work_dir,
+                       patches_dir=settings.patches_dir, patched_dir=root / "src",
+                       accept_not_checked=("binaries",), cuda=cuda, cpu_variant=cpu_variant,
+                       no_ccache=no_ccache, jobs=jobs, cmake_args=cmake_args, no_progress=no_progress)
+            data["verify"] = {"ok": True}
+        except CheckFailed as exc:
+            data["verify"] = {"ok": False, "error": exc.message}
+    lines = [f"check of {len(patches)} patch(es) on {tree.tag} (build: {report.build})"]
+    for step in report.steps:
+        tests = ", ".join(f"{t.check}: {'ok' if t.ok else 'FAILED'}" for t in step.tests) or "no Test: line"
+        lines.append(f"  {'ok' if step.ok else 'FAILED':<7} {step.patch}  ({tests})"
+                     + (f"\n          {step.error.splitlines()[0]}" if step.error else ""))
+        failed = [t for t in step.tests if not t.ok]
+        if failed:
+            lines += [f"          {ln}" for ln in failed[0].output_tail.splitlines()[-10:]]
+    if data.get("verify"):
+        lines.append(f"  verify-identical: {'ok' if data['verify']['ok'] else data['verify']['error']}")
+    emit(data, as_json, "\n".join(lines))
+    if report.failed_at:
+        step = report.steps[-1]
+        if not step.applied:
+            raise PatchFailed(f"check: {step.patch} {step.error}")
+        why = step.error.splitlines()[0] if step.error else "a test failed"
+        raise CheckFailed(f"check: {step.patch} failed ({why})")
+    if data.get("verify") and not data["verify"]["ok"]:
+        raise CheckFailed(f"check: verify-identical: {data['verify']['error']}")
+
+
+COMMANDS = [rebuild_cmd, verify_identical_cmd, ci_workflow_cmd, check_cmd]

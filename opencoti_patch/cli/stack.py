@@ -14,6 +14,7 @@ import click
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError, PatchFailed
 from ..markers.fix import fix_tree
+from ..markers.resolve import resolve_conflicts
 from ..report import info, render
 from ..stack import apply as apply_mod
 from ..stack.capture import NewPatch, snapshot, stale_report, summary
@@ -29,8 +30,13 @@ def _upstream(settings: Settings) -> Upstream:
 
 
 def _outcome_lines(report: apply_mod.Report) -> str:
-    lines = [f"  {o.status:<10} {o.patch}" + (f"  ({', '.join(o.files)})" if o.status in
-             ("merged", "conflicted", "failed") and o.files else "") for o in report.outcomes]
+    lines: list[str] = []
+    for o in report.outcomes:
+        lines.append(f"  {o.status:<10} {o.patch}" + (f"  ({', '.join(o.files)})" if o.status in
+                     ("merged", "conflicted", "failed", apply_mod.AUTO) and o.files else ""))
+        lines += [f"      auto-resolved {r['file']}:{r['lines']} ({', '.join(r['rules'])}: {r['detail']})"
+                  for r in o.resolved]
+        lines += [f"      left          {x['file']}:{x['lines']}: {x['why']}" for x in o.left]
     return "\n".join(lines)
 
 
@@ -119,13 +125,14 @@ def restore_cmd(settings: Settings, force: bool) -> None:
 
 
 def _apply_common(settings: Settings, three_way: bool, dry_run: bool, force: bool, as_json: bool,
-                  patches_dir: Path | None = None) -> apply_mod.Report:
+                  patches_dir: Path | None = None, auto_resolve: bool = True) -> apply_mod.Report:
     tree = Tree(settings)
     patches = load_series(patches_dir or settings.patches_dir)
     with tree_lock(settings):
         try:
             report = apply_mod.apply_series(tree, patches, three_way=three_way, dry_run=dry_run,
-                                            force=force)
+                                            force=force,
+                                            resolver=resolve_conflicts if auto_resolve else None)
         except PatchFailed as exc:
             if as_json and isinstance(exc.report, apply_mod.Report):
                 emit(exc.report.as_dict(), True)
@@ -152,16 +159,19 @@ def _apply_common(settings: Settings, three_way: bool, dry_run: bool, force: boo
 @click.option("--dry-run", is_flag=True, help="Try the series in a scratch index; change nothing.")
 @click.option("--force", is_flag=True,
               help="Save uncaptured edits to work/rescue/<timestamp>.patch, then apply.")
+@click.option("--no-resolve", is_flag=True,
+              help="With --3way: leave every conflict to a person (no marker-aware resolution).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @common_options
-def apply_cmd(settings: Settings, three_way: bool, dry_run: bool, force: bool, as_json: bool) -> None:
+def apply_cmd(settings: Settings, three_way: bool, dry_run: bool, force: bool, no_resolve: bool,
+              as_json: bool) -> None:
     """Apply patches/series in order, one commit per patch, no fuzz.
 
     Already-applied patches are skipped (a no-op when all are); a patch file that changed since it
     was applied is re-applied. On the first failure the tree is left clean at the last good patch
     and the patch, file and hunk are named (exit 3).
     """
-    _apply_common(settings, three_way, dry_run, force, as_json)
+    _apply_common(settings, three_way, dry_run, force, as_json, auto_resolve=not no_resolve)
 
 
 @click.command("unapply")
@@ -202,6 +212,11 @@ def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
 @click.option("--feature", help="Feature flag gating it, e.g. 'sparse-attn (--sparse-attn, default off)'.")
 @click.option("--upstream-status", help="Upstream-Status: Pending | Submitted [url] | Inappropriate [why].")
 @click.option("--author", help="Author 'Name <email>' (default: opencoti <patches@opencoti.invalid>).")
+@click.option("--test", "tests", multiple=True, metavar="CHECK",
+              help="A `Test:` line of the header (repeatable; replaces the patch's own): `markers` or a "
+                   "build target with its arguments, run by `check` after this patch.")
+@click.option("--patch", "patch_name", metavar="NNNN-name.patch",
+              help="Edit the header of this applied patch (instead of the top or a new one).")
 @click.option("--check", is_flag=True, help="Write nothing; exit 4 when patches/ is stale vs the tree (CI).")
 @click.option("--no-verify", is_flag=True, help="Skip the round-trip proof.")
 @click.option("--mark", is_flag=True,
@@ -210,16 +225,18 @@ def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
 @common_options
 def snapshot_cmd(settings: Settings, top: bool, new_name: str | None, subject: str | None,
                  description: str | None, feature: str | None, upstream_status: str | None,
-                 author: str | None, check: bool, no_verify: bool, mark: bool, as_json: bool) -> None:
+                 author: str | None, tests: tuple[str, ...], patch_name: str | None, check: bool,
+                 no_verify: bool, mark: bool, as_json: bool) -> None:
     """Write the tree's edits and commits back into patches/ (alias: refresh).
 
     Edits go into the top patch (--top, or by default when they only touch its files) or a new
     one (--new NAME). Patch files are rendered deterministically, then the round trip is proven:
     pristine upstream + the series gives the edited tree's exact git tree hash.
     """
-    if top and new_name:
-        raise click.UsageError("--top and --new are exclusive")
-    new = NewPatch(new_name, subject, description, feature, upstream_status, author)
+    if sum(map(bool, (top, new_name, patch_name))) > 1:
+        raise click.UsageError("--top, --new and --patch are exclusive")
+    new = NewPatch(new_name, subject, description, feature, upstream_status, author,
+                   tests=tests or None, patch=patch_name)
     tree = Tree(settings)
     with tree_lock(settings):
         result = snapshot(tree, new, top=top, check=check, verify=not no_verify)
@@ -249,10 +266,12 @@ refresh_cmd = click.Command(
 @click.option("--abort", is_flag=True, help="Go back to the old pin and stack.")
 @click.option("--write-pin", is_flag=True, help="When done, make PIN upstream.toml's default.")
 @click.option("--force", is_flag=True, help="Save uncaptured edits to work/rescue/ first.")
+@click.option("--no-resolve", is_flag=True,
+              help="Leave every conflict to a person (no marker-aware resolution).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 @common_options
 def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, cont: bool, skip: bool,
-               abort: bool, write_pin: bool, force: bool, as_json: bool) -> None:
+               abort: bool, write_pin: bool, force: bool, no_resolve: bool, as_json: bool) -> None:
     """Re-apply the series onto another upstream pin (3-way) and report each patch.
 
     Each patch is clean, merged (3-way, no conflict) or conflicted (files named). On a conflict
@@ -263,6 +282,7 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
         raise click.UsageError("give exactly one of --to PIN, --continue, --skip, --abort")
     tree = Tree(settings)
     patches = load_series(settings.patches_dir)
+    resolver = None if no_resolve else resolve_conflicts
     with tree_lock(settings):
         if abort:
             aborted = apply_mod.rebase_abort(tree)
@@ -271,12 +291,13 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
                           if aborted.get("default_restored") else ""))
             return
         if cont:
-            report, pending = apply_mod.rebase_continue(tree, patches)
+            report, pending = apply_mod.rebase_continue(tree, patches, resolver)
         elif skip:
-            report, pending = apply_mod.rebase_skip(tree, patches)
+            report, pending = apply_mod.rebase_skip(tree, patches, resolver)
         else:
             up = _upstream(settings)
-            report, pending = apply_mod.rebase(tree, patches, up.pin(to_pin), up, settings, from_file, force)
+            report, pending = apply_mod.rebase(tree, patches, up.pin(to_pin), up, settings, from_file,
+                                               force, resolver)
     text = f"rebase onto {report.pin}:\n{_outcome_lines(report)}"
     if pending:
         text += (f"\nresolve the conflicts in the tree, then `{settings.command('rebase --continue')}` "

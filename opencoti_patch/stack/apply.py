@@ -29,6 +29,13 @@ from .tree import Tree, TreeDiff, commit_message
 from .upstream import Pin, Upstream, load_upstream, materialize, set_default_pin
 
 CLEAN, MERGED, CONFLICTED, FAILED = "clean", "merged", "conflicted", "failed"
+AUTO = "auto-resolved"  # 3-way merge conflicted and every conflict block was resolved by a rule
+APPLIED_OK = (CLEAN, MERGED, AUTO)
+
+# A conflict resolver (``markers/resolve.py``, handed down by the CLI): (path, the file merged in
+# diff3 style) -> (the text to write, the blocks it resolved, the blocks left); each block a dict
+# with ``file``, ``lines`` and ``rules`` (resolved) or ``why`` (left).
+Resolver = Callable[[str, str], tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]
 APPLIED_RE = re.compile(r"^Applied patch to '(.+)' (cleanly|with conflicts)\.$")
 
 
@@ -40,6 +47,8 @@ class Outcome:
     detail: str = ""
     hunk: int | None = None
     line: int | None = None
+    resolved: list[dict[str, Any]] = field(default_factory=list)  # conflict blocks a rule resolved
+    left: list[dict[str, Any]] = field(default_factory=list)      # conflict blocks left to a person
 
 
 @dataclass
@@ -82,8 +91,11 @@ def unmerged(tree: Tree, index: Path | None = None) -> list[str]:
     return sorted(set(filter(None, out.splitlines())))
 
 
-def apply_one(tree: Tree, patch: Patch, three_way: bool, index: Path | None = None) -> Outcome:
-    """Apply one patch to the index+worktree (or only to the scratch ``index``); no commit."""
+def apply_one(tree: Tree, patch: Patch, three_way: bool, index: Path | None = None,
+              resolver: Resolver | None = None) -> Outcome:
+    """Apply one patch to the index+worktree (or only to the scratch ``index``); no commit. With a
+    ``resolver`` (worktree only), the conflict blocks of a 3-way merge it can resolve are resolved
+    (each one listed in the outcome) and the rest are left with conflict markers."""
     where = ["--cached"] if index is not None else ["--index"]
     failure = check_exact(patch, reader(tree, index))
     if failure is None:
@@ -100,11 +112,53 @@ def apply_one(tree: Tree, patch: Patch, three_way: bool, index: Path | None = No
     detail = f"exact apply failed ({failure.file}: {failure.reason})"
     if r.rc == 0:
         return Outcome(patch.name, MERGED, merged or [failure.file], detail)
+    if conflicts and resolver is not None and index is None:
+        resolved, left, still = auto_resolve(tree, conflicts, resolver)
+        if not still:
+            return Outcome(patch.name, AUTO, sorted({*merged, *conflicts}), detail, resolved=resolved)
+        return Outcome(patch.name, CONFLICTED, still, detail, failure.hunk, failure.line,
+                       resolved=resolved, left=left)
     if conflicts:
         return Outcome(patch.name, CONFLICTED, conflicts, detail, failure.hunk, failure.line)
     return Outcome(patch.name, FAILED, [failure.file],
                    f"{failure.reason}; no 3-way merge either: {_three_way_reason(r.err)}",
                    failure.hunk, failure.line)
+
+
+def auto_resolve(tree: Tree, files: list[str], resolver: Resolver
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """Re-merge each conflicted file from its index stages in diff3 style (base sections give the
+    rules what our patch changed), let ``resolver`` resolve what it can, write the result; a file with
+    nothing left is staged. Returns (resolved blocks, left blocks, files still conflicted)."""
+    resolved: list[dict[str, Any]] = []
+    left: list[dict[str, Any]] = []
+    still: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="opencoti-merge-") as tmp:
+        for path in files:
+            stages = []
+            for n in (2, 1, 3):  # ours (the new upstream), base, theirs (with the patch)
+                r = tree.git("cat-file", "blob", f":{n}:{path}", check=False, binary=True)
+                if r.rc != 0 or not isinstance(r.out, bytes):
+                    break
+                stages.append(Path(tmp) / f"{n}")
+                stages[-1].write_bytes(r.out)
+            if len(stages) != 3:  # added or deleted on one side: not a text conflict for the rules
+                still.append(path)
+                continue
+            r = tree.git("merge-file", "-p", "--diff3", "-L", "ours", "-L", "base", "-L", "theirs",
+                         *map(str, stages), check=False, binary=True)
+            if r.rc < 0 or not isinstance(r.out, bytes):
+                still.append(path)
+                continue
+            text, done, rest = resolver(path, r.out.decode("utf-8", "surrogateescape"))
+            (tree.path / path).write_bytes(text.encode("utf-8", "surrogateescape"))
+            resolved += done
+            left += rest
+            if rest:
+                still.append(path)
+            else:
+                tree.git("add", "--", path)
+    return resolved, left, still
 
 
 def apply_to_folder(folder: Path, patch_file: Path) -> None:
@@ -192,6 +246,7 @@ def apply_series(
     dry_run: bool = False,
     force: bool = False,
     after_each: Callable[[Outcome], None] | None = None,
+    resolver: Resolver | None = None,
 ) -> Report:
     """Bring the tree to "pristine + the whole series", one commit per patch."""
     tree.require()
@@ -220,7 +275,7 @@ def apply_series(
             for patch in todo:
                 outcome = apply_one(tree, patch, three_way, index)
                 report.outcomes.append(outcome)
-                if outcome.status not in (CLEAN, MERGED):
+                if outcome.status not in APPLIED_OK:
                     break
         return report
     if pop:
@@ -228,8 +283,8 @@ def apply_series(
     applied = keep
     for patch in todo:
         with tree.transaction():
-            outcome = apply_one(tree, patch, three_way)
-            if outcome.status in (CLEAN, MERGED):
+            outcome = apply_one(tree, patch, three_way, resolver=resolver)
+            if outcome.status in APPLIED_OK:
                 commit_patch(tree, patch)
                 applied += 1
             else:
@@ -237,7 +292,7 @@ def apply_series(
             report.outcomes.append(outcome)
             if after_each is not None:
                 after_each(outcome)
-        if outcome.status not in (CLEAN, MERGED):
+        if outcome.status not in APPLIED_OK:
             raise PatchFailed(failure_message(tree, outcome, patch, applied), report)
     return report
 
@@ -346,6 +401,7 @@ def rebase(
     settings: Settings,
     from_file: Path | None = None,
     force: bool = False,
+    resolver: Resolver | None = None,
 ) -> tuple[Report, dict[str, Any] | None]:
     """Re-apply the series (3-way) on top of ``pin``; stops at the first conflict, resolvable."""
     tree.require()
@@ -366,19 +422,19 @@ def rebase(
     tree.reset_hard(pin.tag, ignored=True)
     tree.write_state(pin=pin.name, commit=pin.commit)
     _save_rebase(tree, state)
-    return _rebase_run(tree, patches, state)
+    return _rebase_run(tree, patches, state, resolver)
 
 
 def _rebase_run(
-    tree: Tree, patches: list[Patch], state: dict[str, Any]
+    tree: Tree, patches: list[Patch], state: dict[str, Any], resolver: Resolver | None = None
 ) -> tuple[Report, dict[str, Any] | None]:
     by_name = {p.name: p for p in patches}
     while state["remaining"]:
         name = state["remaining"][0]
         if name not in by_name:
             raise OpencotiError(f"{name} left the series during the rebase; `rebase --abort` and retry")
-        outcome = apply_one(tree, by_name[name], three_way=True)
-        if outcome.status in (CLEAN, MERGED):
+        outcome = apply_one(tree, by_name[name], three_way=True, resolver=resolver)
+        if outcome.status in APPLIED_OK:
             commit_patch(tree, by_name[name])
             state["outcomes"].append(asdict(outcome))
             state["remaining"].pop(0)
@@ -411,7 +467,8 @@ def _conflicted_state(tree: Tree, step: str) -> dict[str, Any]:
     return state
 
 
-def rebase_continue(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str, Any] | None]:
+def rebase_continue(tree: Tree, patches: list[Patch], resolver: Resolver | None = None
+                    ) -> tuple[Report, dict[str, Any] | None]:
     state = _conflicted_state(tree, "continue")
     by_name = {p.name: p for p in patches}
     name = state["remaining"][0]
@@ -427,17 +484,17 @@ def rebase_continue(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str,
             f"nothing to commit for {name}: make its changes by hand, or `rebase --skip` to drop it"
         )
     commit_patch(tree, by_name[name])
-    return _step_done(tree, patches, state, "resolved")
+    return _step_done(tree, patches, state, "resolved", resolver)
 
 
 def _step_done(tree: Tree, patches: list[Patch], state: dict[str, Any],
-               status: str) -> tuple[Report, dict[str, Any] | None]:
+               status: str, resolver: Resolver | None = None) -> tuple[Report, dict[str, Any] | None]:
     """Record the conflicted step as ``status`` (resolved, skipped) and go on with the rest."""
     state["outcomes"].append(dict(state["current"]) | {"status": status})
     state["remaining"].pop(0)
     state["current"] = None
     _save_rebase(tree, state)
-    return _rebase_run(tree, patches, state)
+    return _rebase_run(tree, patches, state, resolver)
 
 
 def rebase_abort(tree: Tree) -> dict[str, Any]:
@@ -460,11 +517,12 @@ def rebase_abort(tree: Tree) -> dict[str, Any]:
     return state
 
 
-def rebase_skip(tree: Tree, patches: list[Patch]) -> tuple[Report, dict[str, Any] | None]:
+def rebase_skip(tree: Tree, patches: list[Patch], resolver: Resolver | None = None
+                ) -> tuple[Report, dict[str, Any] | None]:
     """Drop the conflicted patch and go on; the next `snapshot` takes it out of the series and sets
     its file aside in patches/skipped/."""
     state = _conflicted_state(tree, "skip")
     tree.reset_hard("HEAD")
     dropped = tree.read_state().get("dropped", [])
     tree.write_state(dropped=sorted({*dropped, state["current"]["patch"]}))
-    return _step_done(tree, patches, state, "skipped")
+    return _step_done(tree, patches, state, "skipped", resolver)

@@ -92,13 +92,15 @@ class NewPatch:
     feature: str | None = None
     upstream_status: str | None = None
     author: str | None = None
+    tests: tuple[str, ...] | None = None  # the `Test:` lines (replacing the patch's own)
+    patch: str | None = None  # edit the header of this applied patch (not the top one)
 
     def apply_to(self, header: PatchHeader) -> PatchHeader:
-        changes = {k: v for k, v in (
+        changes: dict[str, object] = {k: v for k, v in (
             ("subject", self.subject), ("description", self.description), ("feature", self.feature),
-            ("upstream_status", self.upstream_status), ("author", self.author),
+            ("upstream_status", self.upstream_status), ("author", self.author), ("tests", self.tests),
         ) if v is not None}
-        return replace(header, **changes)
+        return replace(header, **changes)  # type: ignore[arg-type]
 
 
 def _tree_of(tree: Tree, ref: str) -> str:
@@ -129,6 +131,12 @@ def _entries(tree: Tree, new: NewPatch, top: bool) -> tuple[list[Entry], str | N
     for commit in tree.stack():
         header, _, _ = parse_message(commit.message, tree.author_of(commit.sha))
         entries.append(Entry(commit.patch, header, _tree_of(tree, commit.sha), commit.subject))
+    if new.patch is not None:  # a header edit of one applied patch; edits go where they would anyway
+        at = next((i for i, e in enumerate(entries) if e.name == new.patch), None)
+        if at is None:
+            raise OpencotiError(f"--patch {new.patch}: not an applied patch of the tree")
+        entries[at] = replace(entries[at], header=new.apply_to(entries[at].header))
+        new = NewPatch()
     base = _tree_of(tree, tree.tag)
     final = _worktree_tree(tree)
     edited = final != (entries[-1].tree if entries else base)

@@ -23,6 +23,7 @@ import tarfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin
 
 import requests
 
@@ -89,11 +90,18 @@ def pypi_sdist(version: str, timeout: float = 30) -> tuple[str, str]:
     url = f"{base.rstrip('/')}/{PYPI_PACKAGE}/{version}/json"
     try:
         resp = requests.get(url, timeout=timeout)
-        if resp.status_code == 404:
-            raise OpencotiError(f"{PYPI_PACKAGE} {version} is not on the package index ({url}: 404); "
-                                f"its versions: https://pypi.org/project/{PYPI_PACKAGE}/#history")
-        resp.raise_for_status()
-        data = resp.json()
+        if resp.status_code == 404:  # a mirror may serve only the project's JSON: its `releases`
+            project = f"{base.rstrip('/')}/{PYPI_PACKAGE}/json"
+            whole = requests.get(project, timeout=timeout)
+            files = whole.json().get("releases", {}).get(version) if whole.status_code == 200 else None
+            if not files:
+                raise OpencotiError(f"{PYPI_PACKAGE} {version} is not on the package index ({url}: 404); "
+                                    f"its versions: https://pypi.org/project/{PYPI_PACKAGE}/#history")
+            url, data = project, {"urls": [dict(f, url=urljoin(project, f.get("url") or ""))
+                                           for f in files]}
+        else:
+            resp.raise_for_status()
+            data = resp.json()
     except requests.RequestException as exc:
         raise OpencotiError(f"asking the package index for {PYPI_PACKAGE} {version} failed ({exc}); "
                             f"offline, use --tarball FILE with the sdist") from exc

@@ -10,6 +10,8 @@ Patch file format (git format-patch style, deterministic)::
 
     Upstream-Status: Pending | Submitted [url] | Inappropriate [why] | Backport [url]
     Feature: sparse-attn (--sparse-attn, default off)
+    Test: markers
+    Test: test-backend-ops -o SPARSE_ATTN_FILL
     Patch-Filename: 0001-name.patch
     ---
     diff --git a/path b/path
@@ -35,7 +37,7 @@ from ..report import render
 
 NAME_RE = re.compile(r"^(\d{4})-([A-Za-z0-9][A-Za-z0-9._+-]*)\.patch$")
 HUNK_RE = re.compile(rb"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
-FIELD_RE = re.compile(r"^(Upstream-Status|Feature|Patch-Filename):[ \t]*(.*)$")
+FIELD_RE = re.compile(r"^(Upstream-Status|Feature|Test|Patch-Filename):[ \t]*(.*)$")
 DEFAULT_UPSTREAM_STATUS = "Inappropriate [opencoti fork]"
 DEFAULT_FEATURE = "none (always on)"
 
@@ -102,6 +104,9 @@ class PatchHeader:
     upstream_status: str = DEFAULT_UPSTREAM_STATUS
     feature: str = DEFAULT_FEATURE
     filename: str = ""
+    # the checks `opencoti-patch check` runs after this patch: `markers`, or a build target and its
+    # arguments (`test-sparse-attn`, `test-backend-ops -o SPARSE_ATTN_FILL`); one `Test:` line each
+    tests: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -250,12 +255,15 @@ def parse_header(text: str, name: str) -> PatchHeader:
     if not subject:
         raise CorruptPatch(f"{name}: no 'Subject:' line in the header")
     fields: dict[str, str] = {}
+    tests: list[str] = []
     body: list[str] = []
     for line in lines[i:]:
         if line == "---":
             break
         m = FIELD_RE.match(line)
-        if m:
+        if m and m.group(1) == "Test":
+            tests.append(m.group(2).strip())
+        elif m:
             fields[m.group(1)] = m.group(2).strip()
         else:
             body.append(line)
@@ -266,6 +274,7 @@ def parse_header(text: str, name: str) -> PatchHeader:
         upstream_status=fields.get("Upstream-Status", DEFAULT_UPSTREAM_STATUS),
         feature=fields.get("Feature", DEFAULT_FEATURE),
         filename=fields.get("Patch-Filename", ""),
+        tests=tuple(t for t in tests if t),
     )
 
 
@@ -406,5 +415,6 @@ def render_patch(template_dirs: Iterable[Path], header: PatchHeader, diff: bytes
         upstream_status=header.upstream_status,
         feature=header.feature,
         filename=header.filename,
+        tests=header.tests,
     )
     return text.encode("utf-8") + diff

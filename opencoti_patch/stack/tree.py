@@ -112,6 +112,7 @@ def commit_message(header: PatchHeader, patch: str | None = None, patch_sha: str
     if header.description:
         parts += [header.description, ""]
     parts += [f"Upstream-Status: {header.upstream_status}", f"Feature: {header.feature}"]
+    parts += [f"Test: {t}" for t in header.tests]
     if patch:
         parts.append(f"{PATCH_TRAILER}: {patch}")
     if patch_sha:
@@ -125,12 +126,15 @@ def parse_message(message: str, author: str = "") -> tuple[PatchHeader, str | No
     subject = lines[0].strip()
     fields: dict[str, str] = {}
     trailers: dict[str, str] = {}
+    tests: list[str] = []
     body: list[str] = []
     for line in lines[1:]:
         t = TRAILER_RE.match(line)
         f = FIELD_RE.match(line)
         if t:
             trailers[t.group(1)] = t.group(2)
+        elif f and f.group(1) == "Test":
+            tests.append(f.group(2).strip())
         elif f and f.group(1) != "Patch-Filename":
             fields[f.group(1)] = f.group(2).strip()
         elif not f:
@@ -140,7 +144,8 @@ def parse_message(message: str, author: str = "") -> tuple[PatchHeader, str | No
         kwargs["upstream_status"] = fields["Upstream-Status"]
     if "Feature" in fields:
         kwargs["feature"] = fields["Feature"]
-    header = PatchHeader(subject=subject, author=author, description="\n".join(body).strip(), **kwargs)
+    header = PatchHeader(subject=subject, author=author, description="\n".join(body).strip(),
+                         tests=tuple(t for t in tests if t), **kwargs)
     return header, trailers.get(PATCH_TRAILER), trailers.get(HASH_TRAILER)
 
 

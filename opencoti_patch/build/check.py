@@ -1,0 +1,150 @@
+"""``opencoti-patch check``: the series applied one patch at a time onto pristine upstream; after each
+patch an incremental CPU build (one build folder for the whole run, ccache when installed) and the
+checks that patch declares in its header (``Test:`` lines), so a broken patch is caught at that patch.
+
+A check is ``markers`` (the marker audit of the series up to this patch, on the folder as it is) or
+a build target and its arguments (``test-sparse-attn``, ``test-backend-ops -o SPARSE_ATTN_FILL``):
+the target is built with the others and run from ``<build>/bin``; a non-zero exit fails it.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import OpencotiError
+from ..markers.audit import audit
+from ..stack.apply import apply_to_folder
+from ..stack.series import Patch
+from .builder import BuildOptions, configure_and_build, export_tree
+
+MARKERS = "markers"
+OUTPUT_TAIL = 2000
+
+
+@dataclass
+class TestResult:
+    check: str
+    ok: bool
+    rc: int | None = None
+    seconds: float = 0.0
+    output_tail: str = ""
+
+
+@dataclass
+class StepResult:
+    patch: str
+    applied: bool = False
+    built: bool = False
+    targets: list[str] = field(default_factory=list)
+    build_seconds: float = 0.0
+    tests: list[TestResult] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.applied and self.built and all(t.ok for t in self.tests) and not self.error
+
+
+@dataclass
+class CheckReport:
+    pin: str
+    src: str
+    build: str
+    steps: list[StepResult] = field(default_factory=list)
+    failed_at: str | None = None
+    verify: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failed_at is None
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        for step, obj in zip(data["steps"], self.steps, strict=True):
+            step["ok"] = obj.ok
+        data["ok"] = self.ok
+        return data
+
+
+def test_targets(patch: Patch) -> list[str]:
+    """The build targets the patch's checks run (``markers`` needs none)."""
+    out: list[str] = []
+    for check in patch.header.tests:
+        words = shlex.split(check)
+        if words and words[0] != MARKERS and words[0] not in out:
+            out.append(words[0])
+    return out
+
+
+def run_test(check: str, src: Path, bin_dir: Path, series: Sequence[Patch], timeout: float) -> TestResult:
+    """One ``Test:`` check after ``series`` (the patches applied so far)."""
+    t0 = time.monotonic()
+    words = shlex.split(check)
+    if not words:
+        return TestResult(check, False, output_tail="empty Test: line")
+    if words[0] == MARKERS:
+        report = audit(series, src)
+        text = "\n".join(str(i) for i in report.errors)
+        return TestResult(check, not report.errors, None, time.monotonic() - t0,
+                          text[-OUTPUT_TAIL:] or f"{len(report.regions)} marked region(s), no error")
+    exe = bin_dir / words[0]
+    if not exe.is_file():
+        return TestResult(check, False, output_tail=f"{exe} was not built")
+    try:
+        proc = subprocess.run([str(exe), *words[1:]], cwd=bin_dir, capture_output=True, text=True,
+                              errors="replace", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return TestResult(check, False, None, time.monotonic() - t0, f"timed out after {timeout:.0f} s")
+    out = (proc.stdout + proc.stderr)[-OUTPUT_TAIL:]
+    return TestResult(check, proc.returncode == 0, proc.returncode, time.monotonic() - t0, out)
+
+
+def check_series(tree: Path, pristine_rev: str, patches: Sequence[Patch], root: Path, opts: BuildOptions,
+                 *, pin: str, timeout: float = 1800, progress: Callable[[str], None] | None = None,
+                 build_progress: bool = False) -> CheckReport:
+    """Export ``pristine_rev`` of ``tree`` to ``<root>/src``, then per patch: apply it exactly, build
+    ``opts.targets`` + its checks' targets in ``<root>/build`` (incremental), run its checks. Stops at
+    the first patch that fails to apply, build or pass a check (``failed_at``)."""
+    say = progress or (lambda _msg: None)
+    src, build = root / "src", root / "build"
+    export_tree(tree, src, pristine_rev)  # only files that differ are rewritten: the build stays warm
+    report = CheckReport(pin=pin, src=str(src), build=str(build))
+    for n, patch in enumerate(patches, 1):
+        step = StepResult(patch.name)
+        report.steps.append(step)
+        head = f"[{n}/{len(patches)}] {patch.name}"
+        try:
+            apply_to_folder(src, patch.path)
+            step.applied = True
+        except OpencotiError as exc:
+            step.error = f"does not apply: {exc.message}"
+            say(f"{head}: FAILED {step.error}")
+            report.failed_at = patch.name
+            return report
+        wanted = [*opts.targets, *(t for t in test_targets(patch) if t not in opts.targets)]
+        say(f"{head}: applied; building {' '.join(wanted)}")
+        try:
+            result = configure_and_build(src, build, replace(opts, targets=tuple(wanted)), label=patch.name,
+                                         work_root=root, progress=build_progress)
+            step.built, step.targets, step.build_seconds = True, result.targets, round(result.seconds, 1)
+        except OpencotiError as exc:
+            step.error = f"build failed: {exc.message}"
+            say(f"{head}: FAILED {step.error.splitlines()[0]}")
+            report.failed_at = patch.name
+            return report
+        for check in patch.header.tests:
+            res = run_test(check, src, build / "bin", patches[:n], timeout)
+            step.tests.append(res)
+            say(f"{head}: test {check}: {'ok' if res.ok else 'FAILED'} ({res.seconds:.1f} s)")
+            if not res.ok:
+                report.failed_at = patch.name
+                return report
+        if not patch.header.tests:
+            say(f"{head}: built; no Test: line")
+    return report

@@ -1,0 +1,369 @@
+"""Marker-aware conflict resolution for ``rebase`` (and ``apply --3way``): the conflict blocks of a
+3-way merge (diff3 style: ours = the new upstream, base = the old upstream, theirs = the old upstream
+with our patch) that can be resolved mechanically, each by a named rule; everything else stays a
+conflict for a person.
+
+A block is resolved only when every change our patch made in it (base -> theirs) is
+
+- inside an ``UPSTREAM_SYNC(<feature>): begin`` / ``end`` region (the marker lines included), or
+- a known count line (``rule_count``: ``GGML_OP_COUNT == N`` static asserts, the RPC protocol
+  version) whose number our patch moved by a fixed amount;
+
+and each change finds its place in upstream's new text (ours):
+
+- ``marker-region``: an inserted region goes before the base line that followed it (found in ours),
+  else at the end of the block when it ended the block, else after the base line before it, else at
+  the block's start when it started it; so a region at the end of a list (the op enum, the op name
+  and symbol tables) stays at the end when upstream appended to the list;
+- ``marker-region-replace``: a region that replaced base lines replaces them in ours when upstream
+  left them as they were;
+- ``count``: a region (or a bare line) that replaced a count line replaces upstream's new count line,
+  its numbers recomputed: upstream's number plus what our patch added (``static_assert(GGML_OP_COUNT
+  == 101)`` -> ``103`` on a base where upstream has ``102`` becomes ``104``).
+
+Anything else (a change outside any region, base lines upstream changed too, an anchor not found or
+found twice in the wrong order) leaves the block as it was, conflict markers and all.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..stack.hunks import find_nearest
+from .syntax import parse_marker
+
+OURS, BASE, SEP, THEIRS = "<<<<<<< ", "||||||| ", "=======", ">>>>>>> "
+
+# count lines: (rule name, pattern a line must match); their numbers are recomputed
+COUNT_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("op-count-assert", re.compile(r"\bstatic_assert\s*\(\s*\w+_COUNT\s*==\s*\d+")),
+    ("rpc-proto-version", re.compile(r"^\s*#\s*define\s+RPC_PROTO_\w+_VERSION\s+\d+\s*$")),
+)
+NUMBER_RE = re.compile(r"\d+")
+
+
+@dataclass
+class Block:
+    """One conflict block of a diff3-style merge, and where it stands in the merged text."""
+
+    ours: list[str]
+    base: list[str]
+    theirs: list[str]
+    start: int           # index of its ``<<<<<<<`` line in the merged lines
+    end: int             # index after its ``>>>>>>>`` line
+    open_before: bool = False  # a marked region is open (on the theirs side) where the block starts
+
+
+@dataclass
+class Resolved:
+    file: str
+    lines: str           # "A-B" in the resolved file (1-based; "A-A" for one line, "A" for none)
+    rules: list[str]
+    detail: str = ""
+
+
+@dataclass
+class Left:
+    file: str
+    lines: str           # where the conflict block stands in the file written (1-based)
+    why: str
+
+
+@dataclass
+class FileResolution:
+    text: str
+    resolved: list[Resolved] = field(default_factory=list)
+    left: list[Left] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"resolved": [asdict(r) for r in self.resolved], "left": [asdict(x) for x in self.left]}
+
+
+class Unresolvable(Exception):
+    """A rule cannot resolve the block (the reason goes to the report)."""
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+def parse_blocks(lines: Sequence[str]) -> list[Block]:
+    """The diff3-style conflict blocks of ``lines`` (a block without a base section has none)."""
+    blocks: list[Block] = []
+    i = 0
+    open_region = False
+    while i < len(lines):
+        if not lines[i].startswith(OURS):
+            open_region = _region_state(open_region, lines[i])
+            i += 1
+            continue
+        start = i
+        parts: dict[str, list[str]] = {"ours": [], "base": [], "theirs": []}
+        part = "ours"
+        i += 1
+        while i < len(lines) and not lines[i].startswith(THEIRS):
+            if lines[i].startswith(BASE) and part == "ours":
+                part = "base"
+            elif lines[i] == SEP and part in ("ours", "base"):
+                part = "theirs"
+            else:
+                parts[part].append(lines[i])
+            i += 1
+        if i >= len(lines):
+            break  # unterminated: not a conflict block
+        blocks.append(Block(parts["ours"], parts["base"], parts["theirs"], start, i + 1, open_region))
+        for ln in parts["theirs"]:
+            open_region = _region_state(open_region, ln)
+        i += 1
+    return blocks
+
+
+def _region_state(open_region: bool, line: str) -> bool:
+    mk = parse_marker(line)
+    if mk is None or mk.kind == "file":
+        return open_region
+    return mk.kind == "begin"
+
+
+def marked_mask(lines: Sequence[str], open_before: bool = False) -> list[bool]:
+    """Per line: inside a marked region (its begin and end lines included)."""
+    mask: list[bool] = []
+    inside = open_before
+    for ln in lines:
+        mk = parse_marker(ln)
+        if mk is not None and mk.kind == "begin":
+            inside = True
+            mask.append(True)
+        elif mk is not None and mk.kind == "end":
+            mask.append(True)
+            inside = False
+        else:
+            mask.append(inside)
+    return mask
+
+
+# -- rules -------------------------------------------------------------------------------------
+
+
+def count_rule(line: str) -> str | None:
+    """The count rule a line falls under, or None."""
+    return next((name for name, pat in COUNT_PATTERNS if pat.search(line)), None)
+
+
+def masked(line: str) -> str:
+    return NUMBER_RE.sub("#", line)
+
+
+def recount(theirs: str, base: str, ours: str) -> str:
+    """``theirs`` (a count line our patch wrote in place of ``base``) with each number moved by what
+    upstream moved it: theirs + (ours - base), number by number."""
+    b, o = [int(x) for x in NUMBER_RE.findall(base)], [int(x) for x in NUMBER_RE.findall(ours)]
+    if masked(base) != masked(ours) or len(b) != len(o):
+        raise Unresolvable(f"count line {ours.strip()!r} does not have the shape of {base.strip()!r}")
+    if masked(theirs) != masked(base):
+        raise Unresolvable(f"count line {theirs.strip()!r} does not have the shape of {base.strip()!r}")
+    numbers = iter(int(t) + (ov - bv) for t, bv, ov in zip(NUMBER_RE.findall(theirs), b, o, strict=True))
+    return NUMBER_RE.sub(lambda _: str(next(numbers)), theirs)
+
+
+@dataclass
+class Change:
+    """One change our patch made in a block: base[i1:i2] became theirs[j1:j2]."""
+
+    i1: int
+    i2: int
+    new: list[str]
+
+
+def our_changes(block: Block) -> list[Change]:
+    """Our patch's changes in the block; Unresolvable when one is not marked and not a count line."""
+    mask = marked_mask(block.theirs, block.open_before)
+    changes: list[Change] = []
+    sm = difflib.SequenceMatcher(None, block.base, block.theirs, autojunk=False)
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag == "equal":
+            continue
+        new = block.theirs[j1:j2]
+        unmarked = [ln for ln, m in zip(new, mask[j1:j2], strict=True) if not m]
+        counts_only = (i2 - i1 == j2 - j1 and all(count_rule(ln) for ln in unmarked)
+                       and all(count_rule(ln) for ln in block.base[i1:i2]))
+        if unmarked and not counts_only:
+            raise Unresolvable(f"our change {unmarked[0].strip()!r} is outside any UPSTREAM_SYNC region")
+        if i2 > i1 and not new:
+            raise Unresolvable(f"our patch deletes upstream line {block.base[i1].strip()!r} "
+                               "with no marked region in its place")
+        changes.append(Change(i1, i2, new))
+    return changes
+
+
+Placer = Callable[[Block, Change, int, int], tuple[int, int, list[str], str]]
+
+
+def rule_marker_region(block: Block, ch: Change, lo: int, drift: int) -> tuple[int, int, list[str], str]:
+    """An inserted region: before the base line that followed it, at the end of the block when it
+    ended it, after the base line before it, at the start when it started it."""
+    base, ours = block.base, block.ours
+    if ch.i1 < len(base):
+        at = _find_one(ours, base[ch.i1], ch.i1 + drift, lo)
+        if at is not None:
+            return at, at, ch.new, f"before {base[ch.i1].strip()!r}"
+    else:
+        return len(ours), len(ours), ch.new, "at the end of the block"
+    if ch.i1 > 0:
+        at = _find_one(ours, base[ch.i1 - 1], ch.i1 - 1 + drift, lo)
+        if at is not None:
+            return at + 1, at + 1, ch.new, f"after {base[ch.i1 - 1].strip()!r}"
+    else:
+        return lo, lo, ch.new, "at the start of the block"
+    raise Unresolvable(f"no anchor for a marked region: upstream changed both {base[ch.i1 - 1].strip()!r} "
+                       f"and {base[ch.i1].strip()!r}")
+
+
+def rule_orphan_region(block: Block, ch: Change, lo: int, drift: int) -> tuple[int, int, list[str], str]:
+    """An inserted region whose neighbours upstream deleted (upstream code it sat among is gone): it
+    goes where that code was, only when it stood at nesting depth 0 of the deleted code (balanced
+    brackets before and after it), so the deletion did not take away what encloses the region (a
+    source list inside a deleted ``set(...)`` stays a conflict)."""
+    sm = difflib.SequenceMatcher(None, block.base, block.ours, autojunk=False)
+    for tag, a1, a2, b1, _b2 in sm.get_opcodes():
+        if tag == "delete" and a1 <= ch.i1 <= a2 and b1 >= lo:
+            before, after = _depths(block.base[a1:ch.i1]), _depths(block.base[ch.i1:a2])
+            if before == (0, 0) and after == (0, 0):
+                return b1, b1, ch.new, f"where upstream's {a2 - a1} deleted line(s) were"
+            raise Unresolvable("a marked region inside upstream code that upstream deleted")
+    raise Unresolvable("no anchor for a marked region: upstream changed the lines around it")
+
+
+BRACKETS = {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}
+
+
+def _depths(lines: Sequence[str]) -> tuple[int, int]:
+    """(depth at the end, lowest depth on the way) of the brackets in ``lines`` (0, 0: balanced and
+    never closing what was opened before them)."""
+    depth = low = 0
+    for ln in lines:
+        code = ln.split("//", 1)[0]
+        for c in code:
+            depth += BRACKETS.get(c, 0)
+            low = min(low, depth)
+    return depth, low
+
+
+def rule_region_replace(block: Block, ch: Change, lo: int, drift: int) -> tuple[int, int, list[str], str]:
+    """A region that replaced base lines upstream left as they were."""
+    old = block.base[ch.i1:ch.i2]
+    at = find_nearest(block.ours, old, ch.i1 + drift, lo)
+    if at is None:
+        raise Unresolvable(f"upstream changed {old[0].strip()!r}, which our patch replaces")
+    return at, at + len(old), ch.new, f"replaces {len(old)} unchanged upstream line(s)"
+
+
+def rule_count(block: Block, ch: Change, lo: int, drift: int) -> tuple[int, int, list[str], str]:
+    """Count lines our patch rewrote that upstream rewrote too: upstream's numbers plus ours."""
+    old = block.base[ch.i1:ch.i2]
+    if not old or not all(count_rule(ln) for ln in old):
+        raise Unresolvable(f"upstream changed {old[0].strip() if old else ''!r}, which our patch replaces")
+    key = [masked(ln) for ln in old]
+    ours_keys = [masked(ln) for ln in block.ours]
+    at = find_nearest(ours_keys, key, ch.i1 + drift, lo)
+    if at is None:
+        raise Unresolvable(f"upstream has no count line like {old[0].strip()!r} any more")
+    new = list(ch.new)
+    shown = []
+    for k, b_line in enumerate(old):
+        o_line = block.ours[at + k]
+        hits = [j for j, t in enumerate(new) if masked(t) == masked(b_line) and count_rule(t)]
+        if len(hits) != 1:
+            raise Unresolvable(f"cannot tell which of our lines counts {b_line.strip()!r}")
+        new[hits[0]] = recount(new[hits[0]], b_line, o_line)
+        shown.append(f"{(count_rule(b_line))}: {NUMBER_RE.findall(new[hits[0]])[0]}")
+    return at, at + len(old), new, "; ".join(shown)
+
+
+def _find_one(lines: Sequence[str], line: str, hint: int, lo: int) -> int | None:
+    return find_nearest(lines, [line], hint, lo)
+
+
+def _splice(ours: list[str], edits: Sequence[tuple[int, int, list[str]]]) -> list[str]:
+    """``ours`` with each (a, b, new) edit (in order, not overlapping) putting ``new`` for ours[a:b]."""
+    out: list[str] = []
+    at = 0
+    for a, b, new in edits:
+        out += ours[at:a] + new
+        at = b
+    return out + ours[at:]
+
+
+def _place(placers: Sequence[tuple[str, Placer]], block: Block, ch: Change, lo: int,
+           drift: int) -> tuple[str, tuple[int, int, list[str], str]]:
+    """The first rule that places the change: (its name, where and what)."""
+    why = ""
+    for name, placer in placers:
+        try:
+            return name, placer(block, ch, lo, drift)
+        except Unresolvable as exc:
+            why = why or str(exc)
+    raise Unresolvable(why)
+
+
+def resolve_block(block: Block) -> tuple[list[str], list[str], str]:
+    """(resolved lines, rule names, detail) of a block; Unresolvable when no rule applies."""
+    changes = our_changes(block)
+    if not changes:
+        return list(block.ours), ["upstream-only"], "our patch changes nothing here"
+    out = list(block.ours)
+    edits: list[tuple[int, int, list[str]]] = []
+    rules: list[str] = []
+    details: list[str] = []
+    lo = drift = 0
+    for ch in changes:
+        if ch.i1 == ch.i2:
+            placers: tuple[tuple[str, Placer], ...] = (("marker-region", rule_marker_region),
+                                                       ("marker-region-orphan", rule_orphan_region))
+        else:
+            placers = (("marker-region-replace", rule_region_replace), ("count", rule_count))
+        name, (a, b, new, detail) = _place(placers, block, ch, lo, drift)
+        if a < lo:
+            raise Unresolvable("our changes land out of order in upstream's new text")
+        edits.append((a, b, new))
+        if name not in rules:
+            rules.append(name)
+        details.append(detail)
+        lo, drift = b, b - ch.i2
+    return _splice(out, edits), rules, "; ".join(details)
+
+
+def resolve_text(path: str, text: str) -> FileResolution:
+    """Resolve what the rules can of a diff3-style merged file; the rest stays as it was."""
+    lines = text.split("\n")
+    blocks = parse_blocks(lines)
+    out: list[str] = []
+    result = FileResolution("")
+    at = 0
+    for block in blocks:
+        out += lines[at:block.start]
+        try:
+            new, rules, detail = resolve_block(block)
+        except Unresolvable as exc:
+            first = len(out) + 1
+            out += lines[block.start:block.end]
+            result.left.append(Left(path, f"{first}-{len(out)}", str(exc)))
+        else:
+            first = len(out) + 1
+            out += new
+            span = f"{first}-{len(out)}" if new else f"{first}"
+            result.resolved.append(Resolved(path, span, rules, detail))
+        at = block.end
+    out += lines[at:]
+    result.text = "\n".join(out)
+    return result
+
+
+def resolve_conflicts(path: str, text: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """The resolver ``rebase`` and ``apply --3way`` take (``stack.apply.Resolver``)."""
+    result = resolve_text(path, text)
+    data = result.as_dict()
+    return result.text, data["resolved"], data["left"]
