@@ -208,3 +208,43 @@ def test_orphan_region_inside_deleted_enclosing_code_stays() -> None:
                      "    # UPSTREAM_SYNC(sparse-attn): end", "    z.cpp", ")"])
     result = resolve_text("CMakeLists.txt", text)
     assert result.text == text and len(result.left) == 1 and not result.resolved
+
+
+def test_call_site_our_region_extends_merges_upstreams_edit_of_the_line() -> None:
+    """The real 0.3.35 case: upstream's call lost an argument our patch kept; ours appends one."""
+    base = "    ggml_tensor * cur = build_attn_mha(q, k, v, kq_b, kq_mask, sinks, v_mla, 0, kq_scale, il);"
+    ours = "    ggml_tensor * cur = build_attn_mha(q, k, v, kq_b, kq_mask, sinks, v_mla, kq_scale, il);"
+    theirs = ("    ggml_tensor * cur = build_attn_mha(q, k, v, kq_b, kq_mask, sinks, v_mla, 0, kq_scale, il, "
+              "sparse_kb);")
+    result = resolve_text("llama-graph.cpp", conflict([ours], [base], [BEGIN, theirs, END]))
+    assert not result.left, result.left
+    merged = ("    ggml_tensor * cur = build_attn_mha(q, k, v, kq_b, kq_mask, sinks, v_mla, kq_scale, il, "
+              "sparse_kb);")
+    assert result.text.split("\n")[1:4] == [BEGIN, merged, END]
+    assert result.resolved[0].rules == ["marker-region-line-merge"]
+
+
+def test_line_merge_picks_the_edited_line_among_upstream_changes() -> None:
+    text = conflict(["int a2;", "call(x2, y, z);", "int c2;"], ["int a;", "call(x, y, z);", "int c;"],
+                    ["int a;", BEGIN, "call(x, y, z, w);", END, "int c;"])
+    assert resolved_lines(text)[1:6] == ["int a2;", BEGIN, "call(x2, y, z, w);", END, "int c2;"]
+
+
+def test_line_merge_adjacent_edits_stay_a_conflict() -> None:
+    """Upstream dropped the argument our patch appended after: too close to merge blindly."""
+    text = conflict(["call(x, y);"], ["call(x, y, z);"], [BEGIN, "call(x, y, z, w);", END])
+    result = resolve_text("f.c", text)
+    assert result.text == text and "both edit" in result.left[0].why
+
+
+def test_line_merge_edits_of_the_same_tokens_stay_a_conflict() -> None:
+    """Upstream renamed the argument our patch changed: no merge guesses which one wins."""
+    text = conflict(["call(a, bb);"], ["call(a, b);"], [BEGIN, "call(a, b2);", END])
+    result = resolve_text("f.c", text)
+    assert result.text == text and "both edit" in result.left[0].why
+
+
+def test_line_merge_of_a_region_replacing_several_lines_stays_a_conflict() -> None:
+    text = conflict(["f(1);", "g(1);"], ["f();", "g();"], [BEGIN, "f(s);", "g(s);", END])
+    result = resolve_text("f.c", text)
+    assert result.text == text and result.left

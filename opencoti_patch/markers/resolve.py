@@ -17,6 +17,9 @@ and each change finds its place in upstream's new text (ours):
   and symbol tables) stays at the end when upstream appended to the list;
 - ``marker-region-replace``: a region that replaced base lines replaces them in ours when upstream
   left them as they were;
+- ``marker-region-line-merge``: a region that replaced one base line upstream edited too (a call site
+  our patch extends by an argument) gets upstream's new line with our token edits merged in, when the
+  two edits are apart (not the same nor adjacent tokens);
 - ``count``: a region (or a bare line) that replaced a count line replaces upstream's new count line,
   its numbers recomputed: upstream's number plus what our patch added (``static_assert(GGML_OP_COUNT
   == 101)`` -> ``103`` on a base where upstream has ``102`` becomes ``104``).
@@ -261,6 +264,61 @@ def rule_region_replace(block: Block, ch: Change, lo: int, drift: int) -> tuple[
     return at, at + len(old), ch.new, f"replaces {len(old)} unchanged upstream line(s)"
 
 
+TOKEN_RE = re.compile(r"\w+|\s+|.")
+
+
+def merge_line(base: str, ours: str, theirs: str) -> str:
+    """The 3-way merge of one line, token by token (identifiers, numbers, runs of blanks, single
+    characters): upstream's edits (base -> ours) and our patch's (base -> theirs) both applied;
+    Unresolvable when they touch the same or adjacent tokens (an insertion at the same point
+    included), so only edits that are clearly apart are merged."""
+    a, b, c = (TOKEN_RE.findall(x) for x in (base, ours, theirs))
+
+    def edits(new: list[str]) -> list[tuple[int, int, list[str]]]:
+        sm = difflib.SequenceMatcher(None, a, new, autojunk=False)
+        return [(i1, i2, new[j1:j2]) for tag, i1, i2, j1, j2 in sm.get_opcodes() if tag != "equal"]
+
+    up, our = edits(b), edits(c)
+    for i1, i2, _ in up:
+        for k1, k2, _ in our:
+            if max(i1, k1) <= min(i2, k2):
+                both = "".join(a[min(i1, k1):max(i2, k2)]).strip()
+                raise Unresolvable(f"upstream and our patch both edit {both!r} in {base.strip()!r}")
+    out: list[str] = []
+    at = 0
+    for i1, i2, new in sorted(up + our, key=lambda e: e[0]):
+        out += a[at:i1] + new
+        at = i2
+    return "".join(out + a[at:])
+
+
+def rule_line_merge(block: Block, ch: Change, lo: int, drift: int) -> tuple[int, int, list[str], str]:
+    """A region that replaced one upstream line (a call site our patch extends) that upstream edited
+    too: upstream's new line with our token edits merged into it (``merge_line``), in the region."""
+    old = block.base[ch.i1:ch.i2]
+    content = [k for k, ln in enumerate(ch.new) if parse_marker(ln) is None]
+    if len(old) != 1 or len(content) != 1:
+        raise Unresolvable(f"upstream changed {old[0].strip() if old else ''!r}, which our patch replaces")
+    sm = difflib.SequenceMatcher(None, block.base, block.ours, autojunk=False)
+    for tag, a1, a2, b1, b2 in sm.get_opcodes():
+        if tag != "replace" or not a1 <= ch.i1 < a2 or b1 < lo:
+            continue
+        if a2 - a1 == b2 - b1:
+            at = b1 + ch.i1 - a1  # as many lines on both sides: the line at the same offset
+        else:
+            ratios = [difflib.SequenceMatcher(None, old[0], ln, autojunk=False).ratio()
+                      for ln in block.ours[b1:b2]]
+            best = max(ratios)
+            if best < 0.6 or ratios.count(best) != 1:
+                break
+            at = b1 + ratios.index(best)
+        new = list(ch.new)
+        new[content[0]] = merge_line(old[0], block.ours[at], ch.new[content[0]])
+        return at, at + 1, new, (f"our edit of {old[0].strip()!r} merged into upstream's "
+                                 f"{block.ours[at].strip()!r}")
+    raise Unresolvable(f"upstream changed {old[0].strip()!r}, which our patch replaces, beyond recognition")
+
+
 def rule_count(block: Block, ch: Change, lo: int, drift: int) -> tuple[int, int, list[str], str]:
     """Count lines our patch rewrote that upstream rewrote too: upstream's numbers plus ours."""
     old = block.base[ch.i1:ch.i2]
@@ -299,14 +357,15 @@ def _splice(ours: list[str], edits: Sequence[tuple[int, int, list[str]]]) -> lis
 
 def _place(placers: Sequence[tuple[str, Placer]], block: Block, ch: Change, lo: int,
            drift: int) -> tuple[str, tuple[int, int, list[str], str]]:
-    """The first rule that places the change: (its name, where and what)."""
-    why = ""
+    """The first rule that places the change: (its name, where and what); else every rule's reason."""
+    why: list[str] = []
     for name, placer in placers:
         try:
             return name, placer(block, ch, lo, drift)
         except Unresolvable as exc:
-            why = why or str(exc)
-    raise Unresolvable(why)
+            if str(exc) not in why:
+                why.append(str(exc))
+    raise Unresolvable("; ".join(why))
 
 
 def resolve_block(block: Block) -> tuple[list[str], list[str], str]:
@@ -324,7 +383,8 @@ def resolve_block(block: Block) -> tuple[list[str], list[str], str]:
             placers: tuple[tuple[str, Placer], ...] = (("marker-region", rule_marker_region),
                                                        ("marker-region-orphan", rule_orphan_region))
         else:
-            placers = (("marker-region-replace", rule_region_replace), ("count", rule_count))
+            placers = (("marker-region-replace", rule_region_replace), ("count", rule_count),
+                       ("marker-region-line-merge", rule_line_merge))
         name, (a, b, new, detail) = _place(placers, block, ch, lo, drift)
         if a < lo:
             raise Unresolvable("our changes land out of order in upstream's new text")
