@@ -134,13 +134,13 @@ stage_optests() {
     [ "${PIPESTATUS[0]}" = 0 ] || return 1
     kv_cases "$sbin/test-sparse-attn-kv" "" "$BUILD_DIR/test-sparse-attn-kv.log"
 }
-kv_cases() { # exe [flag] log: every one of the 28 cases of test-sparse-attn-kv must say OK
+kv_cases() { # exe [flag] log: every one of the 32 cases of test-sparse-attn-kv must say OK
     local n_ok
     # shellcheck disable=SC2086
     "$1" $2 2>&1 | tee "$3" | tail -3
     [ "${PIPESTATUS[0]}" = 0 ] || { echo "test-sparse-attn-kv $2 FAILED"; return 1; }
-    n_ok=$(grep -Ec '^(llama|multi-seq|gemma3-iswa) hd=.* OK( |$)' "$3")
-    [ "$n_ok" = 28 ] || { echo "test-sparse-attn-kv $2: $n_ok of 28 cases OK"; return 1; }
+    n_ok=$(grep -Ec '^(llama|multi-seq|threshold|gemma3-iswa) hd=.* OK( |$)' "$3")
+    [ "$n_ok" = 32 ] || { echo "test-sparse-attn-kv $2: $n_ok of 32 cases OK"; return 1; }
 }
 stage_publish() {
     mkdir -p "$ARTIFACTS"

@@ -199,9 +199,10 @@ def test_real_series_is_default_off(cfg: ident.VerifyConfig, pristine: b.BuildRe
 
 
 # test-sparse-attn-kv: llama hd 64/128/256 x K f16/q8_0/q4_0 x unified/per-seq (18) + multi-seq (6: four
-# sequences in one ubatch vs each alone) + gemma3-iswa K f16/q8_0 x unified/per-seq (4); one "<name> OK" line
-# each (a multi-seq line goes on with its measured differences)
-KV_CASES = 3 * 3 * 2 + 6 + 2 * 2
+# sequences in one ubatch vs each alone) + threshold (4: K f16/q8_0 x unified/per-seq, the fill only from
+# min-ctx on, stale pages rebuilt at the crossing) + gemma3-iswa K f16/q8_0 x unified/per-seq (4); one
+# "<name> OK" line each (a multi-seq or threshold line goes on with its measured values)
+KV_CASES = 3 * 3 * 2 + 6 + 2 * 2 + 2 * 2
 
 
 @pytest.fixture(scope="session")
@@ -229,7 +230,8 @@ def test_sparse_attn_cpu_selfchecks(selfcheck: b.BuildResult) -> None:
     kv = subprocess.run([str(selfcheck.bin / "test-sparse-attn-kv")], capture_output=True, text=True,
                         timeout=1800)
     log = kv.stdout + kv.stderr
-    cases = re.findall(r"^((?:llama|multi-seq|gemma3-iswa) hd=\d+ K=\S+ kv-\S+)\s+(OK|FAILED)", log, re.M)
+    names = r"(?:llama|multi-seq|threshold|gemma3-iswa)"
+    cases = re.findall(rf"^({names} hd=\d+ K=\S+ kv-\S+)\s+(OK|FAILED)", log, re.M)
     assert kv.returncode == 0 and kv.stdout.rstrip().endswith("all OK"), log[-4000:]
     assert len(cases) == KV_CASES and len({n for n, _ in cases}) == KV_CASES, cases
     assert all(r == "OK" for _, r in cases), cases
