@@ -130,3 +130,67 @@ def test_report_command_hides_machine_paths() -> None:
                     "--layers", "5,11,17"])
     assert cmd == ("opencoti-patch selector needles --build <cpu-build> --samples 4096:16 --prose=<docs-dir> "
                    "--layers 5,11,17")
+
+
+def test_split_parse_and_budget_at_a_fixed_size() -> None:
+    assert recall.parse_split("512") == recall.Split(512) and recall.parse_split("512").name == "r512"
+    quarter = recall.parse_split("25%")
+    assert quarter.name == "r25%" and quarter.recent(2048) == 512
+    for bad in ("-1", "x", "0%", "100%"):
+        with pytest.raises(OpencotiError, match="recent window"):
+            recall.parse_split(bad)
+    # 8K at 25%: 16 blocks whatever the split; the recent window takes what the top-k gives up
+    for split, (recent_b, top_k) in {"256": (3, 12), "512": (5, 10), "1024": (9, 6), "25%": (5, 10)}.items():
+        b = recall.budget_for(8192, 0.25, 128, 128, recall.parse_split(split))
+        assert (b.sink_blocks, b.recent_blocks, b.top_k, b.blocks) == (1, recent_b, top_k, 16), split
+    with pytest.raises(OpencotiError, match="no top-k"):
+        recall.budget_for(4096, 0.25, 128, 128, recall.Split(1024))
+
+
+def test_head_reductions_lex_breaks_exact_ties_by_the_sum() -> None:
+    s = np.array([[[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 1.0, 5.0]]])  # [N=1, G=2, nb=4]
+    lex = recall.reduce_heads(s, "lex")
+    assert list(np.argsort(-lex[0])) == [3, 2, 1, 0]  # 5 > (3, sum 4) > (3, sum 3) > 1
+    assert list(recall.reduce_heads(s, "maxmean")[0]) == [1.5, 4.5, 5.0, 7.5]
+    t = np.array([[[2.0, 2.0]]])  # a full tie: the lower block id first, as the op does
+    assert list(np.argsort(-recall.reduce_heads(t, "lex")[0], kind="stable")) == [0, 1]
+    assert recall.parse_scorer("mean16-lex").name == "mean16-lex"
+
+
+def test_recall_splits_share_one_reference_oracle() -> None:
+    q, k = _needle_case(1)
+    splits = [recall.Split(256), recall.Split(512), recall.Split(0, 0.25), recall.Split(2048)]
+    mean16 = [recall.parse_scorer("mean16")]
+    res = recall.layer_recall(q, k, scale=0.5, block=128, shares=[0.25], scorers=mean16,
+                              splits=splits)["0.25"]
+    vals = res["values"]
+    assert "mean16@r2048" not in vals  # 2048 recent tokens leave no top-k block of a 1024-token budget
+    assert set(res["budgets"]) == {"r256", "r512", "r25%"}
+    ref = vals["oracle"]["mean"]
+    for name, v in vals.items():
+        assert v["mean"] <= ref + 1e-9, name
+    assert vals["oracle@r256"]["mean"] >= vals["oracle@r512"]["mean"] - 1e-9  # a longer forced window
+    assert vals["mean16@r25%"] == vals["mean16@r256"]  # a quarter of 1024 tokens is 256
+    assert res["selected"]["oracle@r512"]["mean"] == pytest.approx(1.0)
+    assert "window" not in res["selected"] and "oracle" not in res["selected"]
+    # one split: the plain mode, the same numbers as before the option
+    one = recall.layer_recall(q, k, scale=0.5, block=128, shares=[0.25], scorers=mean16,
+                              recent=recall.Split(512))["0.25"]
+    assert one["values"]["mean16"] == vals["mean16@r512"] and one["budget"]["recent_blocks"] == 5
+    agg = recall.aggregate({"0/5": {"0.25": res}})["0.25"]
+    assert set(agg["mean16@r512"]) == {"mass", "mass_p10", "of_oracle", "of_oracle_p10", "selected"}
+    assert "selected" not in agg["window"]
+
+
+def test_report_template_renders_an_older_report_unchanged() -> None:
+    """Reports without splits (docs/results/quality-selector.json) render as they were committed."""
+    import json
+
+    from opencoti_patch.config import Settings
+    from opencoti_patch.report import render
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "results"
+    data = json.loads((docs / "quality-selector.json").read_text())
+    context = {"recall": None, "passkey": None, "fidelity": None, "needles": None, **data}
+    out = render(Settings.resolve().templates_dirs, "quality-selector.md.j2", **context)
+    assert out == (docs / "quality-selector.md").read_text()

@@ -39,18 +39,37 @@ def _pairs(text: str) -> dict[int, int]:
     return out
 
 
-def _feasible(shares: list[float], n_ctx: int) -> list[float]:
-    """The shares that leave at least one top-k block at this context (the others are only sink + recent)."""
+def _splits(text: str) -> list[recall.Split]:
+    """``--recent``: ``"256,512,25%"`` -> the recent windows to compare (one: the plain single mode)."""
+    try:
+        out = [recall.parse_split(x) for x in text.split(",") if x.strip()]
+    except OpencotiError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    if not out:
+        raise click.BadParameter("need at least one recent window")
+    return out
+
+
+def _feasible(shares: list[float], n_ctx: int, splits: list[recall.Split]) -> list[float]:
+    """The shares that leave at least one top-k block at this context with some split (the others are only
+    sink + recent)."""
     out = []
     for share in shares:
-        try:
-            recall.budget_for(n_ctx, share, needle.BLOCK, needle.SINK, needle.RECENT)
-        except OpencotiError:
-            continue
-        out.append(share)
+        for split in splits:
+            try:
+                recall.budget_for(n_ctx, share, needle.BLOCK, needle.SINK, split)
+            except OpencotiError:
+                continue
+            out.append(share)
+            break
     if not out:
         raise click.ClickException(f"no share in {shares} leaves a top-k block at context {n_ctx}")
     return out
+
+
+_RECENT_HELP = ("Recent window(s): tokens (512) or a share of the attended tokens (25%), comma-separated; "
+                "the top-k fills the rest of the budget. Several: rows <selector>@r<window>, all against one "
+                "reference oracle (sink + the query's block + the truest-mass blocks).")
 
 
 def _common(f: Any) -> Any:
@@ -95,10 +114,13 @@ class _Env:
     def exe(self, target: str) -> Path:
         return build_harness(self.llama_src, self.bin, self.work / "harness", targets=(target,)) / target
 
-    def meta(self) -> dict[str, Any]:
+    def meta(self, splits: list[recall.Split] | None = None) -> dict[str, Any]:
+        recent: int | str = needle.RECENT
+        if splits and (len(splits) > 1 or splits[0].of_budget or splits[0].tokens != needle.RECENT):
+            recent = " / ".join(s.name.removeprefix("r") for s in splits)
         return {"model": self.model.name, "prose": ", ".join(p.name for p in self.prose_dirs),
                 "machine": f"{platform.machine()} CPU, {platform.system()}", "block": needle.BLOCK,
-                "sink": needle.SINK, "recent": needle.RECENT}
+                "sink": needle.SINK, "recent": recent}
 
 
 # path options shown as placeholders in reports: the paths of the machine a report was made on mean nothing to
@@ -152,9 +174,11 @@ def selector_group() -> None:
               help="Scorers to compare (see opencoti_patch/quality/recall.py).")
 @click.option("--scale", type=float, help="Softmax scale (default: 1/sqrt(head dim)).")
 @click.option("--q-last", type=int, default=256, show_default=True, help="Decode steps (queries) per text.")
+@click.option("--recent", "recent", default=str(needle.RECENT), show_default=True, help=_RECENT_HELP)
 def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
                    seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, texts: str,
-                   layers: str, shares: str, scorers: str, scale: float | None, q_last: int) -> None:
+                   layers: str, shares: str, scorers: str, scale: float | None, q_last: int,
+                   recent: str) -> None:
     """Share of the dense attention mass each scorer's selection keeps, vs the oracle and the window."""
     import random  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
@@ -165,6 +189,8 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
     layer_ids = int_list(layers)
     share_list = fraction_list(shares)
     scorer_list = [recall.parse_scorer(s) for s in scorers.split(",") if s.strip()]
+    split_list = _splits(recent)
+    multi = split_list if len(split_list) > 1 else []
     rng = random.Random(seed)
     table: dict[str, Any] = {}
     n_texts: dict[str, int] = {}
@@ -190,16 +216,16 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
                 if k.shape[0] != n_ctx:
                     raise click.ClickException(f"{dump}: the text gave {k.shape[0]} tokens, {n_ctx} needed")
                 sc = scale if scale is not None else 1.0 / math.sqrt(k.shape[2])
-                per_layer[f"{i}/{layer}"] = recall.layer_recall(q, k, scale=sc, block=needle.BLOCK,
-                                                                shares=_feasible(share_list, n_ctx),
-                                                                scorers=scorer_list, sink=needle.SINK,
-                                                                recent=needle.RECENT)
+                per_layer[f"{i}/{layer}"] = recall.layer_recall(
+                    q, k, scale=sc, block=needle.BLOCK, shares=_feasible(share_list, n_ctx, split_list),
+                    scorers=scorer_list, sink=needle.SINK, recent=split_list[0], splits=multi)
         table[str(n_ctx)] = recall.aggregate(per_layer)
         n_texts[str(n_ctx)] = count
         info(f"recall {n_ctx}: done")
     data = {"command": _command(), "layers": layer_ids, "q_last": q_last, "table": table, "texts": n_texts,
-            "scorers": [s.name for s in scorer_list], "seconds": time.monotonic() - t0}
-    _save(out_dir, name, "recall", data, env.meta())
+            "scorers": [s.name for s in scorer_list], "splits": [s.name for s in multi],
+            "seconds": time.monotonic() - t0}
+    _save(out_dir, name, "recall", data, env.meta(split_list))
 
 
 @selector_group.command("needles")
@@ -207,12 +233,16 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
 @click.option("--samples", default="4096:40", show_default=True,
               help="Contexts and passkey prompts per context (CTX:COUNT,...); each is one dense prefill.")
 @click.option("--layers", required=True, help="The sparse layers to score, e.g. 5,11,17 for Gemma 3 270M.")
-@click.option("--shares", default="0.25", show_default=True, help="Attended shares of the context.")
+@click.option("--shares", default="0.25", show_default=True,
+              help="Attended shares of the context (several: a table per context and share).")
 @click.option("--scorers", default="minmax128,mid32-sum,mean32,mean16,mean16-sum", show_default=True,
               help="Scorers to compare (see opencoti_patch/quality/recall.py).")
+@click.option("--recent", "recent", default=str(needle.RECENT), show_default=True,
+              help="Recent window(s) as for `selector recall` (several: rows <selector>@r<window>).")
 def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                     prose_dirs: tuple[Path, ...], seed: int, threads: int, out_dir: Path, name: str,
-                    work_dir: Path | None, samples: str, layers: str, shares: str, scorers: str) -> None:
+                    work_dir: Path | None, samples: str, layers: str, shares: str, scorers: str,
+                    recent: str) -> None:
     """Does each scorer keep the block holding a passkey's needle, at the queries that answer it?
 
     Passkey prompts in real prose (needle outside the sink/recent blocks, the answer teacher-forced), one
@@ -233,11 +263,12 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
     vocab = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
     digit = {t: i for i, t in enumerate(vocab) if len(t) == 1 and t.isdigit()}
     layer_ids = int_list(layers)
-    share = fraction_list(shares)[0]
+    share_list = fraction_list(shares)
     scorer_list = [recall.parse_scorer(s) for s in scorers.split(",") if s.strip()]
+    split_list = _splits(recent)
     table: dict[str, Any] = {}
     for n_ctx, count in _pairs(samples).items():
-        hits: dict[str, dict[str, list[float]]] = {}
+        hits: dict[float, dict[str, dict[str, list[float]]]] = {share: {} for share in share_list}
         for smp in needle.make_samples(seed, n_ctx, count, len(env.paragraphs), per_doc=1):
             dump = env.work / f"needle-{smp.sid}-{seed}"
             if not (dump / "tokens.npy").is_file():
@@ -257,24 +288,43 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                 raise click.ClickException(f"{smp.sid}: the key's digits are not in the prompt's tokens")
             blocks = {at // needle.BLOCK, (at + len(key) - 1) // needle.BLOCK}
             positions = np.arange(len(tokens) - 7, len(tokens))
-            bud = recall.budget_for(len(tokens), share, needle.BLOCK, needle.SINK, needle.RECENT)
+            budgets: list[tuple[float, str, recall.Budget]] = []
+            for share in share_list:
+                for split in split_list:  # a split that leaves no top-k block is left out
+                    try:
+                        bud = recall.budget_for(len(tokens), share, needle.BLOCK, needle.SINK, split)
+                    except OpencotiError:
+                        continue
+                    budgets.append((share, f"@{split.name}" if len(split_list) > 1 else "", bud))
             for layer in layer_ids:
                 q, k = recall.load_dump(dump, layer)
                 sc = 1.0 / math.sqrt(k.shape[2])
                 gqa = q.shape[1] // k.shape[1]
                 for h in range(k.shape[1]):
-                    res = recall.needle_kept(q[-7:, h * gqa:(h + 1) * gqa], k[:, h], positions, blocks,
-                                             scale=sc, block=needle.BLOCK, budget=bud, scorers=scorer_list)
-                    for sname, v in res.items():
-                        hits.setdefault(sname, {}).setdefault(str(layer), []).append(float(sum(v)) / len(v))
-        table[str(n_ctx)] = {
-            sname: {"all": float(np.mean([v for x in per.values() for v in x])),
-                    **{f"layer {lay}": float(np.mean(x)) for lay, x in per.items()}}
-            for sname, per in hits.items()}
+                    windowed: set[float] = set()  # the window is the same for every split of a share
+                    for share, sfx, bud in budgets:
+                        res = recall.needle_kept(q[-7:, h * gqa:(h + 1) * gqa], k[:, h], positions,
+                                                 blocks, scale=sc, block=needle.BLOCK, budget=bud,
+                                                 scorers=scorer_list)
+                        for sname, v in res.items():
+                            if sname == "window" and share in windowed:
+                                continue
+                            row = sname if sname == "window" else sname + sfx
+                            hits[share].setdefault(row, {}).setdefault(str(layer), []).append(
+                                float(sum(v)) / len(v))
+                        windowed.add(share)
+        for share in share_list:  # one table per context (and per share, when several)
+            if hits[share]:
+                table[str(n_ctx) if len(share_list) == 1 else f"{n_ctx}:{share:g}"] = {
+                    sname: {"all": float(np.mean([v for x in per.values() for v in x])),
+                            **{f"layer {lay}": float(np.mean(x)) for lay, x in per.items()}}
+                    for sname, per in hits[share].items()}
         info(f"needles {n_ctx}: done")
-    data = {"command": _command(), "layers": layer_ids, "samples": _pairs(samples),
-            "share": share, "table": table, "seconds": time.monotonic() - t0}
-    _save(out_dir, name, "needles", data, env.meta())
+    data = {"command": _command(), "layers": layer_ids,
+            "samples": {str(c): n for c, n in _pairs(samples).items()},  # keyed as the tables (and the JSON)
+            "share": share_list[0], "shares": share_list, "table": table,
+            "splits": [s.name for s in split_list if len(split_list) > 1], "seconds": time.monotonic() - t0}
+    _save(out_dir, name, "needles", data, env.meta(split_list))
 
 
 @selector_group.command("passkey")

@@ -23,6 +23,14 @@ Scorers (each from keys alone, as the KV cache holds them, f16-rounded):
   ``sub * exp(s*q.mean(k) + s^2/2 * sum_d q_d^2 var_d(k))`` (keys as independent normals per channel,
   s = the softmax scale), then log-sum-exp over the sub-blocks and the query heads;
 - ``mlse``: the same without the variance term.
+
+Query-head reductions (scorer suffix): ``max`` (default, the op's), ``sum`` (the summed query), ``lex``
+(max, the sum breaking exact ties), ``maxmean`` (max + mean over the query heads: a soft tie-breaker).
+
+Budget splits (:class:`Split`): at a fixed number of attended blocks, the recent window is a fixed number of
+tokens or a share of the attended tokens, and the top-k fills the rest. With several splits,
+:func:`layer_recall` names rows ``<selector>@<split>`` and measures every row against one reference
+**oracle**: sink + the query's own block + the truest-mass other blocks (no split can keep more).
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ class Scorer:
     kind: str  # minmax | mean | meanstd | lse | mlse
     sub: int  # keys per scored sub-block (divides the block size)
     c: float = 0.0  # meanstd only
-    head_reduce: str = "max"  # max | sum (over the query heads of a KV head)
+    head_reduce: str = "max"  # max | sum | lex | maxmean (over the query heads of a KV head)
 
     @property
     def name(self) -> str:
@@ -54,6 +62,9 @@ class Scorer:
         """Side-cache bytes per token of context and KV head."""
         vectors = 2 if self.kind in ("minmax", "mid", "midlse", "meanstd", "lse") else 1
         return vectors * head_dim * bytes_per_value / self.sub
+
+
+HEAD_REDUCE = ("max", "sum", "lex", "maxmean")
 
 
 def parse_scorer(text: str) -> Scorer:
@@ -68,7 +79,7 @@ def parse_scorer(text: str) -> Scorer:
     for p in parts[1:]:
         if p.startswith("c"):
             c = float(p[1:])
-        elif p in ("max", "sum"):
+        elif p in HEAD_REDUCE:
             red = p
         else:
             raise OpencotiError(f"unknown scorer option {p!r} in {text!r}")
@@ -140,7 +151,25 @@ def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale
     if scorer.kind in ("lse", "mlse", "midlse"):  # estimated mass: sum over the sub-blocks and query heads
         return _logsumexp(_logsumexp(s, 3), 1)
     s = s.max(axis=3)  # over the sub-blocks
-    return s.max(axis=1) if scorer.head_reduce == "max" else s.sum(axis=1)  # over the query heads
+    return reduce_heads(s, scorer.head_reduce)
+
+
+def reduce_heads(s: np.ndarray, how: str) -> np.ndarray:
+    """[N, G, nb] block scores per query head -> [N, nb] ranks (higher = kept first)."""
+    smax, ssum = s.max(axis=1), s.sum(axis=1)
+    if how == "max":
+        return smax
+    if how == "sum":
+        return ssum
+    if how == "maxmean":
+        return smax + ssum / s.shape[1]
+    # lex: order by the max, exact ties by the sum, then lower block id first; the rank is the position
+    ids = np.broadcast_to(np.arange(s.shape[2]), smax.shape)
+    order = np.lexsort((-ids, ssum, smax), axis=1)
+    rank = np.empty(smax.shape)
+    pos = np.broadcast_to(np.arange(s.shape[2], dtype=np.float64), smax.shape)
+    np.put_along_axis(rank, order, pos, axis=1)
+    return rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +183,37 @@ class Budget:
         return self.sink_blocks + self.recent_blocks + self.top_k
 
 
-def budget_for(n_ctx: int, share: float, block: int, sink: int = 128, recent: int = 256) -> Budget:
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The recent window of a budget: ``tokens``, or (``of_budget`` > 0) that share of the attended tokens."""
+
+    tokens: int = 0
+    of_budget: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"r{self.of_budget * 100:g}%" if self.of_budget else f"r{self.tokens}"
+
+    def recent(self, attended_tokens: int) -> int:
+        return round(self.of_budget * attended_tokens) if self.of_budget else self.tokens
+
+
+def parse_split(text: str) -> Split:
+    """``512`` (recent tokens) or ``25%`` (of the attended tokens)."""
+    t = text.strip()
+    try:
+        split = Split(0, float(t[:-1]) / 100) if t.endswith("%") else Split(int(t))
+    except ValueError:
+        split = Split(-1)
+    if split.tokens < 0 or not 0 <= split.of_budget < 1 or (t.endswith("%") and not split.of_budget):
+        raise OpencotiError(f"bad recent window {text!r} (tokens, e.g. 512, or a share of the budget: 25%)")
+    return split
+
+
+def budget_for(n_ctx: int, share: float, block: int, sink: int = 128, recent: int | Split = 256) -> Budget:
     """The budget whose attended tokens (sink + recent + top-k blocks) are ``share`` of ``n_ctx``."""
+    if isinstance(recent, Split):
+        recent = recent.recent(round(share * n_ctx / block) * block)
     sink_b = -(-sink // block) if sink > 0 else 0
     recent_b = (recent - 1 + block - 1) // block + 1 if recent > 0 else 0  # llama_sparse_attn_params
     top_k = round(share * n_ctx / block) - sink_b - recent_b
@@ -194,10 +252,13 @@ def summarize(x: np.ndarray) -> dict[str, float]:
 
 
 def layer_recall(q: np.ndarray, k: np.ndarray, *, scale: float, block: int, shares: Sequence[float],
-                 scorers: Sequence[Scorer], sink: int = 128, recent: int = 256) -> dict[str, Any]:
+                 scorers: Sequence[Scorer], sink: int = 128, recent: int | Split = 256,
+                 splits: Sequence[Split] = ()) -> dict[str, Any]:
     """Recall of every scorer, the oracle and the window, per budget share, for one layer's dump.
 
-    q: [N, H, D] queries of the last N positions; k: [T, Hkv, D] keys of every position.
+    q: [N, H, D] queries of the last N positions; k: [T, Hkv, D] keys of every position. ``splits``: compare
+    these recent windows at each share (rows ``<name>@<split>``, a split that leaves no top-k block is left
+    out, all against the reference oracle, see the module doc); none: the one window ``recent``, plain names.
     """
     n_q, n_head, _ = q.shape
     n_tok, n_head_kv, _ = k.shape
@@ -206,34 +267,59 @@ def layer_recall(q: np.ndarray, k: np.ndarray, *, scale: float, block: int, shar
     gqa = n_head // n_head_kv
     positions = np.arange(n_tok - n_q, n_tok)
     kc = f16(k)
+    # per share: the budget of each split (suffix "" = the single-window mode) and the oracle's budget
+    plans: dict[str, tuple[Budget, dict[str, Budget]]] = {}
+    for share in shares:
+        if not splits:
+            bud = budget_for(n_tok, share, block, sink, recent)
+            plans[f"{share:g}"] = (bud, {"": bud})
+            continue
+        per = {}
+        for sp in splits:
+            try:
+                per["@" + sp.name] = budget_for(n_tok, share, block, sink, sp)
+            except OpencotiError:
+                continue
+        if per:
+            plans[f"{share:g}"] = (budget_for(n_tok, share, block, sink, 1), per)
     acc: dict[str, dict[str, list[np.ndarray]]] = {}
     for h in range(n_head_kv):
         qg = q[:, h * gqa:(h + 1) * gqa, :]
         mass = block_mass(qg, kc[:, h, :], positions, scale, block)
         ranks = {s.name: block_scores(qg, kc[:, h, :], s, block, scale) for s in scorers}
-        for share in shares:
-            bud = budget_for(n_tok, share, block, sink, recent)
-            row = acc.setdefault(f"{share:g}", {})
-            row.setdefault("oracle", []).append(kept_mass(mass, mass, positions, block, bud))
-            row.setdefault("fixed", []).append(
-                kept_mass(mass, mass, positions, block, dataclasses.replace(bud, top_k=0)))
-            row.setdefault("window", []).append(window_mass(mass, positions, block, bud))
-            for name, r in ranks.items():
-                row.setdefault(name, []).append(kept_mass(mass, r, positions, block, bud))
+        for share, (ref, per) in plans.items():
+            row = acc.setdefault(share, {})
+            row.setdefault("oracle", []).append(kept_mass(mass, mass, positions, block, ref))
+            row.setdefault("window", []).append(window_mass(mass, positions, block, ref))
+            for sfx, bud in per.items():
+                if sfx:
+                    row.setdefault("oracle" + sfx, []).append(kept_mass(mass, mass, positions, block, bud))
+                row.setdefault("fixed" + sfx, []).append(
+                    kept_mass(mass, mass, positions, block, dataclasses.replace(bud, top_k=0)))
+                for name, r in ranks.items():
+                    row.setdefault(name + sfx, []).append(kept_mass(mass, r, positions, block, bud))
     out: dict[str, Any] = {}
     for share, row in acc.items():
-        bud = budget_for(n_tok, float(share), block, sink, recent)
-        oracle = np.concatenate(row["oracle"])
-        fixed = np.concatenate(row["fixed"])
-        sel = {name: np.concatenate(v) for name, v in row.items() if name != "fixed"}
-        # "selected": of the mass outside the always-kept sink/recent blocks that the oracle's top-k holds,
-        # the share this selector's top-k holds (the number that separates selectors)
-        out[share] = {"budget": dataclasses.asdict(bud), "attended_tokens": bud.blocks * block,
-                      "fixed": summarize(fixed),
-                      "values": {name: summarize(v) for name, v in sel.items()},
-                      "of_oracle": {name: summarize(v / oracle) for name, v in sel.items()},
-                      "selected": {name: summarize((v - fixed) / np.maximum(oracle - fixed, 1e-12))
-                                   for name, v in sel.items()}}
+        ref, per = plans[share]
+        pooled = {name: np.concatenate(v) for name, v in row.items()}
+        oracle = pooled["oracle"]
+        sel = {name: v for name, v in pooled.items() if not name.startswith("fixed")}
+        res: dict[str, Any] = {"budget": dataclasses.asdict(ref), "attended_tokens": ref.blocks * block,
+                               "values": {name: summarize(v) for name, v in sel.items()},
+                               "of_oracle": {name: summarize(v / oracle) for name, v in sel.items()},
+                               "selected": {}}
+        if splits:
+            res["budgets"] = {sfx[1:]: dataclasses.asdict(b) for sfx, b in per.items()}
+        for sfx in per:
+            fixed, top = pooled["fixed" + sfx], pooled["oracle" + sfx] if sfx else oracle
+            if not sfx:
+                res["fixed"] = summarize(fixed)
+            # "selected": of the mass outside the always-kept sink/recent blocks that the oracle's top-k (same
+            # split) holds, the share this selector's top-k holds (the number that separates selectors)
+            for name, v in sel.items():
+                if name.endswith(sfx) and ("@" in name) == bool(sfx):
+                    res["selected"][name] = summarize((v - fixed) / np.maximum(top - fixed, 1e-12))
+        out[share] = res
     return out
 
 
@@ -246,19 +332,23 @@ def load_dump(dump_dir: Path, layer: int) -> tuple[np.ndarray, np.ndarray]:
 
 def aggregate(per_layer: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
     """Pool :func:`layer_recall` results of several texts and layers (equal query counts): per share and
-    selector, the mean kept mass, the mean and the mean per-layer p10 of its share of the oracle's mass,
-    and the mean share of the oracle top-k's mass (outside sink/recent) that its top-k holds."""
+    selector, the mean kept mass and its mean per-layer p10, the mean and the mean per-layer p10 of its share
+    of the oracle's mass, and the mean share of the oracle top-k's mass (outside sink/recent) that its top-k
+    holds."""
     out: dict[str, dict[str, dict[str, list[float]]]] = {}
     for res in per_layer.values():
         for share, v in res.items():
             for name in v["values"]:
-                acc = out.setdefault(share, {}).setdefault(name, {"mass": [], "of_oracle": [],
-                                                                  "of_oracle_p10": [], "selected": []})
+                acc = out.setdefault(share, {}).setdefault(name, {"mass": [], "mass_p10": [],
+                                                                  "of_oracle": [], "of_oracle_p10": [],
+                                                                  "selected": []})
                 acc["mass"].append(v["values"][name]["mean"])
+                acc["mass_p10"].append(v["values"][name]["p10"])
                 acc["of_oracle"].append(v["of_oracle"][name]["mean"])
                 acc["of_oracle_p10"].append(v["of_oracle"][name]["p10"])
-                acc["selected"].append(v["selected"][name]["mean"])
-    return {share: {name: {k: float(np.mean(x)) for k, x in acc.items()} for name, acc in row.items()}
+                if name in v["selected"]:
+                    acc["selected"].append(v["selected"][name]["mean"])
+    return {share: {name: {k: float(np.mean(x)) for k, x in acc.items() if x} for name, acc in row.items()}
             for share, row in out.items()}
 
 
