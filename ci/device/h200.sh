@@ -72,6 +72,12 @@ write_models() {
     done
 }
 
+perf_ops() { # the per-op timings of the sparse ops (test-backend-ops perf)
+    run_stage perf-ops  "$BIN/test-backend-ops" perf -o SPARSE_ATTN_SELECT -b $BACKEND
+    run_stage perf-fill "$BIN/test-backend-ops" perf -o SPARSE_ATTN_FILL -b $BACKEND
+    run_stage perf-fa   "$BIN/test-backend-ops" perf -o FLASH_ATTN_EXT -p block_size -b $BACKEND
+}
+
 bench() { # name model args...
     local name=$1 model=$2; shift 2
     run_stage "$name" "$BIN/llama-bench" -m "$model" -ngl $NGL -fa 1 -p 0 -n 64 -o json "$@"
@@ -128,12 +134,9 @@ start() {
             run_stage test-select "$BIN/test-backend-ops" -o SPARSE_ATTN_SELECT -b $BACKEND
             run_stage test-fa-sparse "$BIN/test-backend-ops" -o FLASH_ATTN_EXT -p block_size -b $BACKEND
             run_stage test-kv     "$BIN/test-sparse-attn-kv" -g
-            run_stage perf-ops    "$BIN/test-backend-ops" perf -o SPARSE_ATTN_SELECT -b $BACKEND
-            run_stage perf-fa     "$BIN/test-backend-ops" perf -o FLASH_ATTN_EXT -p block_size -b $BACKEND ;;
+            perf_ops ;;
         perf) # per-op timings only (the pipeline's optests already ran the correctness cases)
-            run_stage perf-ops    "$BIN/test-backend-ops" perf -o SPARSE_ATTN_SELECT -b $BACKEND
-            run_stage perf-fill   "$BIN/test-backend-ops" perf -o SPARSE_ATTN_FILL -b $BACKEND
-            run_stage perf-fa     "$BIN/test-backend-ops" perf -o FLASH_ATTN_EXT -p block_size -b $BACKEND ;;
+            perf_ops ;;
         rebuild-cost)
             run_stage rebuild-f16 "$BIN/test-sparse-attn-kv" -g --bench 131072 f16 32
             run_stage rebuild-q8  "$BIN/test-sparse-attn-kv" -g --bench 131072 q8_0 32 ;;
