@@ -15,7 +15,8 @@
 # `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch bench pack --rev upstream/<pin>
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
-# Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all
+# Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all,
+# profile (a kernel timeline of llama-bench at PROFILE_DEPTH, default 131072, dense and sparse: kernel-trace.cpp)
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072)
 set -u
 ROOT=$(pwd)
@@ -76,6 +77,27 @@ perf_ops() { # the per-op timings of the sparse ops (test-backend-ops perf)
     run_stage perf-ops  "$BIN/test-backend-ops" perf -o SPARSE_ATTN_SELECT -b $BACKEND
     run_stage perf-fill "$BIN/test-backend-ops" perf -o SPARSE_ATTN_FILL -b $BACKEND
     run_stage perf-fa   "$BIN/test-backend-ops" perf -o FLASH_ATTN_EXT -p block_size -b $BACKEND
+}
+
+build_tracer() { # the CUPTI tracer of ci/device/kernel-trace.cpp (the machine has no nsys)
+    local home lib="" inc="" d
+    home=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}
+    for d in "$home/extras/CUPTI/lib64" "$home/lib64" "$home/targets/x86_64-linux/lib" "$home/lib"; do
+        [ -e "$d/libcupti.so" ] && { lib=$d; break; }
+    done
+    for d in "$home/extras/CUPTI/include" "$home/include" "$home/targets/x86_64-linux/include"; do
+        [ -e "$d/cupti.h" ] && { inc=$d; break; }
+    done
+    [ -n "$lib" ] && [ -n "$inc" ] || { echo "CUPTI not found under $home"; return 1; }
+    g++ -std=c++17 -O2 -shared -fPIC -I"$inc" "$ROOT/ci/device/kernel-trace.cpp" -L"$lib" -lcupti \
+        -Wl,-rpath,"$lib" -o "$W/libkernel-trace.so"
+}
+
+profile() { # name model args...: llama-bench under the tracer, then the per-step profile
+    local name=$1 model=$2; shift 2
+    CUDA_INJECTION64_PATH=$W/libkernel-trace.so OPENCOTI_TRACE_OUT=$W/trace-$name.tsv \
+        "$BIN/llama-bench" -m "$model" -ngl $NGL -fa 1 -p 0 -n 32 -r 1 -o json "$@" &&
+    python3 "$ROOT/ci/device/kernel_profile.py" "$W/trace-$name.tsv" --json "$LOG/$name.json" > "$LOG/$name.md"
 }
 
 bench() { # name model args...
@@ -158,6 +180,9 @@ start() {
             bench bench-q8 "$M8B" -r 2 -ctk q8_0 -ctv q8_0 -d 32768,131072 -sa 0,1 -sak 32 ;;
         bench-14b)
             bench bench-14b "$M14B" -r 2 -d 32768,131072 -sa 0,1 -sak 32 ;;
+        profile)
+            run_stage build-tracer build_tracer &&
+            run_stage profile-8b profile profile-8b "$M8B" -d "${PROFILE_DEPTH:-131072}" -sa 0,1 -sak 32 ;;
         *) echo "unknown stage $s" >> "$LOG/status" ;;
         esac
     done

@@ -1,0 +1,179 @@
+"""Per-step kernel profile from a kernel-trace.cpp timeline (stdlib only: runs on the device's python3).
+
+    python3 ci/device/kernel_profile.py trace.tsv [--gap-us 30] [--min-steps 4] [--json out.json] > profile.md
+
+A *step* is a run of GPU activity with no idle gap longer than --gap-us: one llama_decode (a prompt ubatch or a
+decode token), since the host synchronizes between them. Steps with the same sequence of kernels form a group
+(all decode tokens of one configuration, all prompt ubatches of another); for each group with at least
+--min-steps steps the table gives, per kernel, the calls per step and the GPU time per step (mean over the
+group's steps), then the step's busy time (sum of its activities) and span (first start to last end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Activity:
+    kind: str
+    start: int
+    end: int
+    name: str
+
+
+@dataclass
+class Group:
+    signature: tuple[str, ...]
+    steps: list[list[Activity]] = field(default_factory=list)
+
+
+def demangle(names: set[str]) -> dict[str, str]:
+    """Mangled -> readable, through c++filt (cu++filt) when the machine has one; else the names as they are."""
+    mangled = sorted(n for n in names if n.startswith("_Z"))
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    out = {n: n for n in names}
+    if tool and mangled:
+        res = subprocess.run([tool], input="\n".join(mangled) + "\n", capture_output=True, text=True, check=False)
+        lines = res.stdout.splitlines()
+        if res.returncode == 0 and len(lines) == len(mangled):
+            out.update(zip(mangled, lines))
+    return out
+
+
+def short_name(name: str, width: int = 72) -> str:
+    """A kernel's function name with its template arguments kept only as far as `width` allows."""
+    name = re.sub(r"^void ", "", name)
+    name = re.sub(r"\(.*\)$", "", name)  # the parameter list
+    name = re.sub(r"\s+", " ", name)
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def read_trace(path: str) -> list[Activity]:
+    rows: list[tuple[str, int, int, str]] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        header = f.readline().rstrip("\n").split("\t")
+        i_kind, i_start, i_end, i_name = (header.index(k) for k in ("kind", "start", "end", "name"))
+        for line in f:
+            p = line.rstrip("\n").split("\t")
+            if len(p) < len(header):
+                continue
+            rows.append((p[i_kind], int(p[i_start]), int(p[i_end]), p[i_name]))
+    names = demangle({r[3] for r in rows if r[0] == "K"})
+    acts = []
+    for kind, start, end, name in rows:
+        if kind == "K":
+            name = short_name(names.get(name, name))
+        acts.append(Activity(kind, start, end, name))
+    acts.sort(key=lambda a: a.start)
+    return acts
+
+
+def split_steps(acts: list[Activity], gap_ns: int) -> list[list[Activity]]:
+    steps: list[list[Activity]] = []
+    cur: list[Activity] = []
+    last_end = 0
+    for a in acts:
+        if cur and a.start - last_end > gap_ns:
+            steps.append(cur)
+            cur = []
+        cur.append(a)
+        last_end = max(last_end, a.end) if len(cur) > 1 else a.end
+    if cur:
+        steps.append(cur)
+    return steps
+
+
+def group_steps(steps: list[list[Activity]], min_steps: int) -> list[Group]:
+    groups: dict[tuple[str, ...], Group] = {}
+    for s in steps:
+        sig = tuple(a.name.split(":")[0] for a in s if a.kind in "KS")
+        groups.setdefault(sig, Group(sig)).steps.append(s)
+    out = [g for g in groups.values() if len(g.steps) >= min_steps]
+    out.sort(key=lambda g: (g.steps[0][0].start))
+    return out
+
+
+def label(g: Group) -> str:
+    names = " ".join(g.signature)
+    phase = "prompt" if re.search(r"mul_mat_q\b|mul_mat_q<|ggml_cuda_mul_mat_q|cutlass|gemm", names) else "decode"
+    sparse = "sparse" if "sparse_attn" in names else "dense"
+    return f"{sparse} {phase}"
+
+
+def summarize(g: Group) -> dict:
+    n = len(g.steps)
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # calls, ns
+    busy = span = 0
+    for s in g.steps:
+        for a in s:
+            key = a.name if a.kind == "K" else a.name.split(":")[0]
+            per_kernel[key][0] += 1
+            per_kernel[key][1] += a.end - a.start
+            busy += a.end - a.start
+        span += max(a.end for a in s) - s[0].start
+    kernels = [
+        {"name": k, "calls_per_step": v[0] / n, "us_per_step": v[1] / n / 1e3, "us_per_call": v[1] / v[0] / 1e3}
+        for k, v in per_kernel.items()
+    ]
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    return {
+        "label": label(g),
+        "steps": n,
+        "activities_per_step": len(g.signature),
+        "busy_us_per_step": busy / n / 1e3,
+        "span_us_per_step": span / n / 1e3,
+        "kernels": kernels,
+    }
+
+
+def render(groups: list[dict], top: int) -> str:
+    out = []
+    for i, g in enumerate(groups):
+        out.append(
+            f"### group {i}: {g['label']} — {g['steps']} steps, {g['activities_per_step']} activities per step, "
+            f"GPU busy {g['busy_us_per_step']:.1f} µs, span {g['span_us_per_step']:.1f} µs per step\n"
+        )
+        out.append("| kernel | calls/step | µs/step | µs/call | share |")
+        out.append("|---|---:|---:|---:|---:|")
+        for k in g["kernels"][:top]:
+            share = k["us_per_step"] / g["busy_us_per_step"] if g["busy_us_per_step"] else 0.0
+            name = k["name"].replace("|", "\\|")
+            out.append(
+                f"| `{name}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.1f} | {k['us_per_call']:.2f} | {share:.1%} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--gap-us", type=float, default=30.0)
+    ap.add_argument("--min-steps", type=int, default=4)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    acts = read_trace(args.trace)
+    if not acts:
+        print(f"{args.trace}: no activities", file=sys.stderr)
+        return 1
+    steps = split_steps(acts, int(args.gap_us * 1e3))
+    groups = [summarize(g) for g in group_steps(steps, args.min_steps)]
+    print(f"{len(acts)} activities, {len(steps)} steps, {len(groups)} groups of >= {args.min_steps} steps\n")
+    print(render(groups, args.top))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"trace": args.trace, "gap_us": args.gap_us, "groups": groups}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
