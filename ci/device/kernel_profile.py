@@ -2,11 +2,17 @@
 
     python3 ci/device/kernel_profile.py trace.tsv [--gap-us 30] [--min-steps 4] [--json out.json] > profile.md
 
-A *step* is a run of GPU activity with no idle gap longer than --gap-us: one llama_decode (a prompt ubatch or a
-decode token), since the host synchronizes between them. Steps with the same sequence of kernels form a group
-(all decode tokens of one configuration, all prompt ubatches of another); for each group with at least
---min-steps steps the table gives, per kernel, the calls per step and the GPU time per step (mean over the
-group's steps), then the step's busy time (sum of its activities) and span (first start to last end).
+A *step* is a run of GPU activity with no idle gap longer than --gap-us: one llama_decode (a prompt
+ubatch or a decode token), since the host synchronizes between them. Steps with the same sequence of
+kernels form a group (all decode tokens of one configuration, all prompt ubatches of another); for
+each group with at least --min-steps steps the table gives, per kernel, the calls per step and the
+GPU time per step (mean over the group's steps), then the step's busy time (sum of its activities)
+and span (first start to last end). Kernels launched with programmatic dependent launch start before
+their predecessor ends and wait on the GPU, so their durations overlap: *exclusive* time counts only
+what an activity adds past everything that started before it (the exclusive times of a step add up
+to its span minus idle time). *gap* is the idle time from the end of a step to the start of the next
+step of the same group: host work between two decode tokens (graph build, inputs such as the KQ
+mask, sampling).
 """
 
 from __future__ import annotations
@@ -33,18 +39,20 @@ class Activity:
 class Group:
     signature: tuple[str, ...]
     steps: list[list[Activity]] = field(default_factory=list)
+    gaps: list[int] = field(default_factory=list)  # ns from the end of a step to the next step of this group
 
 
 def demangle(names: set[str]) -> dict[str, str]:
-    """Mangled -> readable, through c++filt (cu++filt) when the machine has one; else the names as they are."""
+    """Mangled -> readable, through cu++filt or c++filt when the machine has one; else as they are."""
     mangled = sorted(n for n in names if n.startswith("_Z"))
     tool = shutil.which("cu++filt") or shutil.which("c++filt")
     out = {n: n for n in names}
     if tool and mangled:
-        res = subprocess.run([tool], input="\n".join(mangled) + "\n", capture_output=True, text=True, check=False)
+        text = "\n".join(mangled) + "\n"
+        res = subprocess.run([tool], input=text, capture_output=True, text=True, check=False)
         lines = res.stdout.splitlines()
         if res.returncode == 0 and len(lines) == len(mangled):
-            out.update(zip(mangled, lines))
+            out.update(zip(mangled, lines, strict=True))
     return out
 
 
@@ -93,43 +101,60 @@ def split_steps(acts: list[Activity], gap_ns: int) -> list[list[Activity]]:
 
 def group_steps(steps: list[list[Activity]], min_steps: int) -> list[Group]:
     groups: dict[tuple[str, ...], Group] = {}
+    prev: tuple[tuple[str, ...], int] | None = None
     for s in steps:
         sig = tuple(a.name.split(":")[0] for a in s if a.kind in "KS")
-        groups.setdefault(sig, Group(sig)).steps.append(s)
-    out = [g for g in groups.values() if len(g.steps) >= min_steps]
+        g = groups.setdefault(sig, Group(sig))
+        g.steps.append(s)
+        if prev is not None and prev[0] == sig:
+            g.gaps.append(s[0].start - prev[1])
+        prev = (sig, max(a.end for a in s))
+    out = [g for g in groups.values() if len(g.steps) >= min_steps and g.signature]
     out.sort(key=lambda g: (g.steps[0][0].start))
     return out
 
 
 def label(g: Group) -> str:
     names = " ".join(g.signature)
-    phase = "prompt" if re.search(r"mul_mat_q\b|mul_mat_q<|ggml_cuda_mul_mat_q|cutlass|gemm", names) else "decode"
+    prompt = re.search(r"mul_mat_q\b|mul_mat_q<|cutlass|gemm", names)
+    phase = "prompt" if prompt else "decode"
     sparse = "sparse" if "sparse_attn" in names else "dense"
     return f"{sparse} {phase}"
 
 
 def summarize(g: Group) -> dict:
     n = len(g.steps)
-    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # calls, ns
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # calls, ns, exclusive ns
     busy = span = 0
     for s in g.steps:
+        covered = s[0].start  # everything before this is accounted for
         for a in s:
             key = a.name if a.kind == "K" else a.name.split(":")[0]
             per_kernel[key][0] += 1
             per_kernel[key][1] += a.end - a.start
+            per_kernel[key][2] += max(0, a.end - max(a.start, covered))
+            covered = max(covered, a.end)
             busy += a.end - a.start
         span += max(a.end for a in s) - s[0].start
     kernels = [
-        {"name": k, "calls_per_step": v[0] / n, "us_per_step": v[1] / n / 1e3, "us_per_call": v[1] / v[0] / 1e3}
+        {
+            "name": k,
+            "calls_per_step": v[0] / n,
+            "us_per_step": v[1] / n / 1e3,
+            "us_per_call": v[1] / v[0] / 1e3,
+            "exclusive_us_per_step": v[2] / n / 1e3,
+        }
         for k, v in per_kernel.items()
     ]
-    kernels.sort(key=lambda k: -k["us_per_step"])
+    kernels.sort(key=lambda k: -k["exclusive_us_per_step"])
+    gaps = sorted(g.gaps)
     return {
         "label": label(g),
         "steps": n,
         "activities_per_step": len(g.signature),
         "busy_us_per_step": busy / n / 1e3,
         "span_us_per_step": span / n / 1e3,
+        "gap_us_median": gaps[len(gaps) // 2] / 1e3 if gaps else None,
         "kernels": kernels,
     }
 
@@ -137,17 +162,20 @@ def summarize(g: Group) -> dict:
 def render(groups: list[dict], top: int) -> str:
     out = []
     for i, g in enumerate(groups):
+        gap = f", host gap {g['gap_us_median']:.1f} µs (median)" if g["gap_us_median"] is not None else ""
         out.append(
-            f"### group {i}: {g['label']} — {g['steps']} steps, {g['activities_per_step']} activities per step, "
-            f"GPU busy {g['busy_us_per_step']:.1f} µs, span {g['span_us_per_step']:.1f} µs per step\n"
+            f"### group {i}: {g['label']} — {g['steps']} steps, "
+            f"{g['activities_per_step']} activities per step, "
+            f"GPU busy {g['busy_us_per_step']:.1f} µs, span {g['span_us_per_step']:.1f} µs per step{gap}\n"
         )
-        out.append("| kernel | calls/step | µs/step | µs/call | share |")
-        out.append("|---|---:|---:|---:|---:|")
+        out.append("| kernel | calls/step | exclusive µs/step | share of span | µs/step | µs/call |")
+        out.append("|---|---:|---:|---:|---:|---:|")
         for k in g["kernels"][:top]:
-            share = k["us_per_step"] / g["busy_us_per_step"] if g["busy_us_per_step"] else 0.0
+            share = k["exclusive_us_per_step"] / g["span_us_per_step"] if g["span_us_per_step"] else 0.0
             name = k["name"].replace("|", "\\|")
             out.append(
-                f"| `{name}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.1f} | {k['us_per_call']:.2f} | {share:.1%} |"
+                f"| `{name}` | {k['calls_per_step']:.1f} | {k['exclusive_us_per_step']:.1f} | {share:.1%} "
+                f"| {k['us_per_step']:.1f} | {k['us_per_call']:.2f} |"
             )
         out.append("")
     return "\n".join(out)

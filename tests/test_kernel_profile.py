@@ -1,0 +1,57 @@
+"""ci/device/kernel_profile.py: steps, groups, exclusive time under overlapping (PDL) kernels, host gaps."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("kernel_profile", ROOT / "ci/device/kernel_profile.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _trace(path: Path, steps: int, step_gap_ns: int) -> None:
+    lines = ["kind\tstart\tend\tgraph\tstream\tgrid\tblock\tname"]
+    t = 1_000
+    for _ in range(steps):
+        # fa runs 10 us; combine starts 2 us into it (PDL) and ends 3 us after it: 3 us exclusive, 11 us long
+        lines.append(f"K\t{t}\t{t + 10_000}\t1\t7\t1,1,1\t32,1,1\tflash_attn_ext_vec")
+        lines.append(f"K\t{t + 2_000}\t{t + 13_000}\t1\t7\t1,1,1\t32,1,1\tflash_attn_combine_results")
+        lines.append(f"S\t{t + 14_000}\t{t + 15_000}\t1\t7\t0,0,0\t0,0,0\tmemset:64")
+        t += 15_000 + step_gap_ns
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_exclusive_time_and_gap(tmp_path: Path) -> None:
+    kp = _load()
+    trace = tmp_path / "t.tsv"
+    _trace(trace, steps=6, step_gap_ns=200_000)
+    steps = kp.split_steps(kp.read_trace(str(trace)), gap_ns=30_000)
+    assert len(steps) == 6
+    (group,) = kp.group_steps(steps, min_steps=4)
+    s = kp.summarize(group)
+    by_name = {k["name"]: k for k in s["kernels"]}
+    assert by_name["flash_attn_combine_results"]["us_per_step"] == 11.0
+    assert by_name["flash_attn_combine_results"]["exclusive_us_per_step"] == 3.0
+    assert by_name["flash_attn_ext_vec"]["exclusive_us_per_step"] == 10.0
+    assert s["span_us_per_step"] == 15.0
+    assert s["busy_us_per_step"] == 22.0
+    assert s["gap_us_median"] == 200.0
+    assert s["label"] == "dense decode"
+
+
+def test_steps_split_only_at_idle_gaps(tmp_path: Path) -> None:
+    kp = _load()
+    trace = tmp_path / "t.tsv"
+    _trace(trace, steps=3, step_gap_ns=20_000)  # below the 30 us gap: one step
+    steps = kp.split_steps(kp.read_trace(str(trace)), gap_ns=30_000)
+    assert len(steps) == 1
+    assert kp.group_steps(steps, min_steps=2) == []
