@@ -16,7 +16,8 @@
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
 # Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all,
-# profile (a kernel timeline of llama-bench at PROFILE_DEPTH, default 131072, dense and sparse: kernel-trace.cpp)
+# batched4, profile (a kernel timeline of llama-bench at each of PROFILE_DEPTHS, default 131072, dense and sparse:
+# kernel-trace.cpp + kernel_profile.py)
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072)
 set -u
 ROOT=$(pwd)
@@ -93,11 +94,15 @@ build_tracer() { # the CUPTI tracer of ci/device/kernel-trace.cpp (the machine h
         -Wl,-rpath,"$lib" -o "$W/libkernel-trace.so"
 }
 
-profile() { # name model args...: llama-bench under the tracer, then the per-step profile
-    local name=$1 model=$2; shift 2
-    CUDA_INJECTION64_PATH=$W/libkernel-trace.so OPENCOTI_TRACE_OUT=$W/trace-$name.tsv \
-        "$BIN/llama-bench" -m "$model" -ngl $NGL -fa 1 -p 0 -n 32 -r 1 -o json "$@" &&
+traced() { # name cmd...: run cmd under the tracer, then the per-step profile into $LOG/name.{md,json}
+    local name=$1; shift
+    CUDA_INJECTION64_PATH=$W/libkernel-trace.so OPENCOTI_TRACE_OUT=$W/trace-$name.tsv "$@" &&
     python3 "$ROOT/ci/device/kernel_profile.py" "$W/trace-$name.tsv" --json "$LOG/$name.json" > "$LOG/$name.md"
+}
+
+profile() { # name model args...: llama-bench decode under the tracer
+    local name=$1 model=$2; shift 2
+    traced "$name" "$BIN/llama-bench" -m "$model" -ngl $NGL -fa 1 -p 0 -n 32 -r 1 -o json "$@"
 }
 
 bench() { # name model args...
@@ -179,10 +184,23 @@ start() {
         bench-q8)
             bench bench-q8 "$M8B" -r 2 -ctk q8_0 -ctv q8_0 -d 32768,131072 -sa 0,1 -sak 32 ;;
         bench-14b)
-            bench bench-14b "$M14B" -r 2 -d 32768,131072 -sa 0,1 -sak 32 ;;
+            bench bench-14b "$M14B" -r 2 -d "${BENCH14_DEPTHS:-32768,131072}" -sa 0,1 -sak 32 ;;
         profile)
-            run_stage build-tracer build_tracer &&
-            run_stage profile-8b profile profile-8b "$M8B" -d "${PROFILE_DEPTH:-131072}" -sa 0,1 -sak 32 ;;
+            run_stage build-tracer build_tracer || continue
+            for d in ${PROFILE_DEPTHS:-131072}; do
+                run_stage "profile-8b-$d" profile "profile-8b-$d" "$M8B" -d "$d" -sa 0,1 -sak 32
+            done
+            # prompt processing (real prefill, one sequence) with sparse attention off and on
+            for sa in ${PROFILE_PP:-}; do
+                run_stage "profile-pp-$sa" traced "profile-pp-$sa" "$BIN/llama-batched-bench" -m "$M8B" -ngl $NGL \
+                    -fa on -c 33000 -b 2048 -ub 512 -npp 32768 -ntg 8 -npl 1 --sparse-attn "$sa"
+            done ;;
+        batched4)
+            # B = 4 sequences in one unified stream only (each its own selection; the per-sequence min-ctx rule)
+            for sa in off on; do
+                run_stage "batched4-$sa" "$BIN/llama-batched-bench" -m "$M8B" -ngl $NGL -fa on -c 140000 -b 2048 -ub 512 \
+                    -npp "${BATCHED4_NPP:-16384,32768}" -ntg 64 -npl 4 --kv-unified --sparse-attn $sa
+            done ;;
         *) echo "unknown stage $s" >> "$LOG/status" ;;
         esac
     done
@@ -208,11 +226,13 @@ collect() {
 }
 
 wait_for() {
-    local limit=$1 t0=$SECONDS
+    local limit=$1 t0=$SECONDS t_collect=$SECONDS
     while [ $((SECONDS - t0)) -lt "$limit" ]; do
         if grep -q "ALL DONE" "$LOG/status" 2>/dev/null; then break; fi
         # a failed prepare/build ends the run: do not wait out the limit
         if grep -Eq "end (prepare|build|pipe-env) rc=[1-9]" "$LOG/status" 2>/dev/null; then break; fi
+        # what is done so far is in $OUT even if this call is cut short (device time running out)
+        if [ $((SECONDS - t_collect)) -ge 60 ]; then collect; t_collect=$SECONDS; fi
         sleep 5
     done
     cat "$LOG/status" 2>/dev/null
