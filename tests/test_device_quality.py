@@ -149,3 +149,29 @@ def test_prose_bundle_is_the_same_corpus_and_deterministic(tmp_path: Path) -> No
     assert prose.load_corpus([plain]) == paras
     with pytest.raises(Exception, match="line break"):
         prose.write_bundle(["two\nlines"], tmp_path / "x.txt")
+
+
+def test_wait_returns_at_once_without_a_run_a_failed_stage_or_a_dead_runner(tmp_path: Path) -> None:
+    """`wait` must not sit out its limit (device time) when nothing more can come."""
+    import time
+
+    script = _tree(tmp_path / "t")
+    qw = tmp_path / "qw"
+    t0 = time.monotonic()
+    res = _sh(script, "wait", "60", OPENCOTI_QUALITY_WORK=str(qw))
+    assert res.returncode != 0 and "no run in" in res.stdout
+    (qw / "log").mkdir(parents=True)
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True).stdout.strip()
+    (qw / "pid").write_text(dead + "\n")
+    (qw / "log" / "status").write_text("10:00:00 begin env\n10:00:01 end env rc=0\n10:00:01 begin harness\n")
+    res = _sh(script, "wait", "60", OPENCOTI_QUALITY_WORK=str(qw), OUT=str(tmp_path / "out"))
+    assert "the runner died" in res.stdout
+    (qw / "log" / "status").write_text("10:00:00 begin env\n10:00:01 end env rc=0\n10:00:01 begin harness\n"
+                                       "10:00:09 end harness rc=2\n")
+    with subprocess.Popen(["sleep", "60"]) as alive:
+        (qw / "pid").write_text(f"{alive.pid}\n")
+        res = _sh(script, "wait", "60", OPENCOTI_QUALITY_WORK=str(qw), OUT=str(tmp_path / "out"))
+        alive.kill()
+    assert "end harness rc=2" in res.stdout
+    assert (tmp_path / "out" / "quality-status.txt").is_file()
+    assert time.monotonic() - t0 < 30

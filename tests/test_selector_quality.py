@@ -281,3 +281,16 @@ def test_recall_dump_runs_with_the_offload(tmp_path: Path, monkeypatch: pytest.M
                                    "--ngl", "99"])
     assert res.exit_code != 0 and "stop here" in res.output
     assert calls and calls[0][calls[0].index("-ngl") + 1] == "99"
+
+
+def test_an_asked_offload_must_have_happened() -> None:
+    """-ngl on a build without a GPU backend runs on the CPU silently: the log must show the layers."""
+    log = Path("x.log")
+    gpu = "load_tensors: offloading output layer to GPU\nload_tensors: offloaded 19/19 layers to GPU\n"
+    assert needle.check_offload(gpu, 99, log) == "19/19"
+    assert needle.check_offload("", 0, log) is None  # CPU asked: nothing to check
+    with pytest.raises(OpencotiError, match="offloaded no layers"):
+        needle.check_offload("load_tensors: CPU_Mapped model buffer size = 253.3 MiB\n", 99, log)
+    with pytest.raises(OpencotiError, match="offloaded 10/19"):
+        needle.check_offload("load_tensors: offloaded 10/19 layers to GPU\n", 99, log)
+    assert needle.check_offload("load_tensors: offloaded 10/19 layers to GPU\n", 10, log) == "10/19"

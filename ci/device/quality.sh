@@ -199,19 +199,23 @@ env_setup() {
     "$PY" -c "import click, jinja2, git, numpy; from opencoti_patch.cli.main import cli; print('python ok')"
 }
 
-wait_build() { # the CUDA build of h200.sh start (its status file), up to 20 minutes
+wait_build() { # h200.sh start's CUDA build (its status file says when it is done), up to 20 minutes
     [ "$CUDA" = 1 ] || return 0
-    local t0=$SECONDS
+    local t0=$SECONDS st=$W/log/status
     while [ $((SECONDS - t0)) -lt 1200 ]; do
-        if grep -Eq "end build rc=0|end pipe-rebuild rc=0" "$W/log/status" 2>/dev/null; then
-            ls -l "$BUILD/bin/libllama.so" "$BUILD/bin/libllama-common.so"; return $?
+        if grep -Eq "end (prepare|build) rc=[1-9]" "$st" 2>/dev/null; then
+            echo "h200.sh's build failed:"; cat "$st"; return 1
         fi
-        if grep -Eq "end (prepare|build|pipe-[a-z]+) rc=[1-9]" "$W/log/status" 2>/dev/null; then
-            echo "h200.sh's build failed:"; cat "$W/log/status"; return 1
+        local busy=0 s
+        for s in prepare build; do # begun and not ended
+            grep -q "begin $s\$" "$st" 2>/dev/null && ! grep -q "end $s rc=" "$st" && busy=1
+        done
+        if [ $busy = 0 ] && [ -f "$BUILD/bin/libllama.so" ] && [ -f "$BUILD/bin/libllama-common.so" ]; then
+            ls -l "$BUILD"/bin/libllama*.so "$BUILD"/bin/libggml*.so; return 0
         fi
         sleep 5
     done
-    echo "no finished build in $W/log/status after 1200 s"; return 1
+    echo "no finished build in $BUILD after 1200 s ($st:)"; cat "$st" 2>/dev/null; return 1
 }
 
 harness() {
@@ -238,7 +242,7 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
     local s=$1
     if [ "$CUDA" != 1 ]; then
         case $s in
-        passkey-*) echo "passkey --samples 2048:4 --shares 0.5 --fixed 768 --per-doc 2" ;;
+        passkey-4k|passkey-8k|passkey-16k|passkey-32k) echo "passkey --samples 2048:4 --shares 0.5 --fixed 768 --per-doc 2" ;;
         fidelity)  echo "fidelity --contexts 2048 --steps 32 --shares 0.5 --fixed 768" ;;
         recall)    echo "recall --texts 2048:1 --q-last 32 --layers 5,11,17 --shares 0.5 --scorers mean16,minmax128" ;;
         *) return 1 ;;
@@ -256,7 +260,7 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
 }
 
 run_all() {
-    export PYTHONPATH=$QW/site:$QW/pkg OPENCOTI_ROOT=$QW PYTHONUNBUFFERED=1
+    export PYTHONPATH=$QW/site:$QW/pkg OPENCOTI_ROOT=$QW PYTHONUNBUFFERED=1 GIT_PYTHON_REFRESH=quiet
     cd "$QW" || exit 1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOG/gpu.txt" 2>&1
     run_stage env env_setup || { echo "$(date +%T) ALL DONE (env failed)" >> "$LOG/status"; return 1; }
@@ -298,9 +302,14 @@ show_status() {
 
 wait_for() {
     local limit=$1 t0=$SECONDS
+    [ -f "$LOG/status" ] || { echo "quality.sh: no run in $QW (ci/device/quality.sh run first)"; return 1; }
     while [ $((SECONDS - t0)) -lt "$limit" ]; do
         grep -q "ALL DONE" "$LOG/status" 2>/dev/null && break
         grep -Eq "^[0-9:]+ end [^ ]+ rc=[1-9]" "$LOG/status" 2>/dev/null && break  # a failed stage: stop waiting
+        if ! kill -0 "$(cat "$QW/pid" 2>/dev/null)" 2>/dev/null; then # the runner is gone without a last line
+            grep -q "ALL DONE" "$LOG/status" || echo "$(date +%T) ALL DONE (the runner died: $QW/run.log)" >> "$LOG/status"
+            break
+        fi
         sleep 5
     done
     show_status
@@ -316,6 +325,7 @@ case ${1:-} in
              for s in "$@"; do stage_args "$s" > /dev/null || die "unknown stage $s (stages: $DEFAULT_STAGES)"; done
              stage_inputs
              setsid nohup bash "$0" _run "$@" > "$QW/run.log" 2>&1 < /dev/null &
+             echo $! > "$QW/pid"
              echo "quality.sh: started (log $LOG/status)" ;;
     _run)    shift; run_all "$@" ;;
     args)    shift; for s in "${@:-$DEFAULT_STAGES}"; do

@@ -142,7 +142,7 @@ int main(int argc, char ** argv) {
     const std::string text = text_ss.str();
 
     llama_log_set([](ggml_log_level level, const char * msg, void *) {
-        if (level >= GGML_LOG_LEVEL_WARN) {
+        if (level >= GGML_LOG_LEVEL_WARN || std::strstr(msg, "offloaded") != nullptr) {
             fputs(msg, stderr);
         }
     }, nullptr);

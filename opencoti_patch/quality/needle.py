@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import subprocess
 import tempfile
 import time
@@ -153,6 +154,21 @@ def batch_command(exe: Path, model: Path, n_ctx: int, variants_file: Path, reque
             *offload.extra]
 
 
+_OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+
+
+def check_offload(log_text: str, ngl: int, log: Path) -> str | None:
+    """``N/M`` from llama's "offloaded N/M layers to GPU" line; with ``ngl`` > 0 every asked layer must be on
+    the GPU (a CPU build prints no such line, a GPU build with too little memory fewer layers), else an
+    error."""
+    found = _OFFLOADED.findall(log_text)
+    got = f"{found[-1][0]}/{found[-1][1]}" if found else None
+    if ngl > 0 and (not found or int(found[-1][0]) < min(ngl, int(found[-1][1]))):
+        raise OpencotiError(f"asked for -ngl {ngl}, but the harness offloaded {got or 'no'} layers to a GPU "
+                            f"(a build without a GPU backend? log {log})")
+    return got
+
+
 def run_variants(exe: Path, model: Path, n_ctx: int, variants: Sequence[Variant],
                  requests: Sequence[dict[str, Any]], *, threads: int, log: Path,
                  on_line: Callable[[dict[str, Any]], None] | None = None,
@@ -178,6 +194,7 @@ def run_variants(exe: Path, model: Path, n_ctx: int, variants: Sequence[Variant]
     if rc != 0 or len(out) != expected:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-10:])
         raise OpencotiError(f"harness exited {rc} after {len(out)}/{expected} results (log {log})\n{tail}")
+    check_offload(log.read_text(errors="replace"), offload.ngl, log)
     for r in out:
         if "variant" not in r:  # tokenize_only
             continue
