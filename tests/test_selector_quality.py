@@ -194,3 +194,103 @@ def test_report_template_renders_an_older_report_unchanged() -> None:
     context = {"recall": None, "passkey": None, "fidelity": None, "needles": None, **data}
     out = render(Settings.resolve().templates_dirs, "quality-selector.md.j2", **context)
     assert out == (docs / "quality-selector.md").read_text()
+
+
+def test_harness_command_offloads_and_passes_flags_through() -> None:
+    """The device runs need -ngl 99 (the default stays CPU: -ngl 0); passed-through flags come last."""
+    cmd = needle.batch_command(Path("h"), Path("m.gguf"), 4096, Path("v"), Path("r"), threads=2)
+    assert cmd[cmd.index("-ngl") + 1] == "0" and cmd[-1] == "--swa-full"
+    off = needle.Offload(99, ("-ub", "1024"))
+    cmd = needle.batch_command(Path("h"), Path("m.gguf"), 4096, Path("v"), Path("r"), threads=4, offload=off)
+    assert cmd[cmd.index("-ngl") + 1] == "99" and cmd[-2:] == ["-ub", "1024"]
+    assert cmd[cmd.index("-c") + 1] == "4096" and cmd[cmd.index("-t") + 1] == "4"
+
+
+def test_passkey_samples_per_filler_text() -> None:
+    """--per-doc: 100 samples over 10 filler texts; each text's depths still cover the droppable range."""
+    samples = needle.make_samples(3, 16384, 100, 5000, per_doc=10)
+    docs = [s.doc for s in samples]
+    assert len(samples) == 100 and len(set(docs)) >= 9  # 10 draws of 5000 paragraphs
+    assert all(len({s.doc for s in samples[i:i + 10]}) == 1 for i in range(0, 100, 10))
+    depths = sorted(s.depth for s in samples[:10])
+    assert depths[0] < 0.15 and depths[-1] > 0.85
+    assert needle.make_samples(3, 16384, 100, 5000) != samples  # the default (25 a text) draws others
+    with pytest.raises(OpencotiError, match="at least one sample"):
+        needle.make_samples(3, 16384, 10, 5000, per_doc=0)
+
+
+def _cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], dict[str, object]]:
+    """The selector CLI with a fake model, a small prose folder and no harness build: returns the base
+    arguments and a dict where the faked runners record what they were given."""
+    from opencoti_patch.cli import selector as sel
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.html").write_text("".join(f"<p>{i} {LONG}</p>" for i in range(200)))
+    monkeypatch.setattr(sel._Env, "exe", lambda self, target: tmp_path / target)
+    seen: dict[str, object] = {}
+
+    def fake_passkey(*args: object, **kw: object) -> dict[str, object]:
+        seen.update(kw)
+        return {"contexts": {}, "needles": [], "questions": []}
+
+    monkeypatch.setattr(needle, "run_passkey", fake_passkey)
+    base = ["--build", str(tmp_path / "b"), "--model", str(tmp_path / "m.gguf"), "--prose",
+            str(tmp_path / "docs"), "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path / "out")]
+    return base, seen
+
+
+def test_selector_cli_passes_offload_and_per_doc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from opencoti_patch.cli import cli
+
+    base, seen = _cli_env(tmp_path, monkeypatch)
+    res = CliRunner().invoke(cli, ["selector", "passkey", *base, "--samples", "4096:4", "--ngl", "99",
+                                   "--harness-arg=-ub", "--harness-arg=1024", "--per-doc", "2"])
+    assert res.exit_code == 0, res.output
+    assert seen["offload"] == needle.Offload(99, ("-ub", "1024")) and seen["per_doc"] == 2
+    report = json.loads((tmp_path / "out" / "quality-selector.json").read_text())
+    assert report["ngl"] == 99 and report["harness_args"] == ["-ub", "1024"]
+    assert "-ngl 99" in report["machine"]  # a GPU run does not read as a CPU run
+    res = CliRunner().invoke(cli, ["selector", "passkey", *base, "--samples", "4096:4"])
+    assert seen["offload"] == needle.Offload() and seen["per_doc"] == needle.PER_DOC
+    report = json.loads((tmp_path / "out" / "quality-selector.json").read_text())
+    assert res.exit_code == 0 and report["ngl"] == 0 and "-ngl" not in report["machine"]
+
+
+def test_recall_dump_runs_with_the_offload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """recall's Q/K dump gets -ngl too (its own small parser)."""
+    import subprocess
+
+    from click.testing import CliRunner
+
+    from opencoti_patch.cli import cli
+
+    base, _ = _cli_env(tmp_path, monkeypatch)
+    calls: list[list[str]] = []
+
+    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "stop here")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    res = CliRunner().invoke(cli, ["selector", "recall", *base, "--texts", "4096:1", "--layers", "5",
+                                   "--ngl", "99"])
+    assert res.exit_code != 0 and "stop here" in res.output
+    assert calls and calls[0][calls[0].index("-ngl") + 1] == "99"
+
+
+def test_an_asked_offload_must_have_happened() -> None:
+    """-ngl on a build without a GPU backend runs on the CPU silently: the log must show the layers."""
+    log = Path("x.log")
+    gpu = "load_tensors: offloading output layer to GPU\nload_tensors: offloaded 19/19 layers to GPU\n"
+    assert needle.check_offload(gpu, 99, log) == "19/19"
+    assert needle.check_offload("", 0, log) is None  # CPU asked: nothing to check
+    with pytest.raises(OpencotiError, match="offloaded no layers"):
+        needle.check_offload("load_tensors: CPU_Mapped model buffer size = 253.3 MiB\n", 99, log)
+    with pytest.raises(OpencotiError, match="offloaded 10/19"):
+        needle.check_offload("load_tensors: offloaded 10/19 layers to GPU\n", 99, log)
+    assert needle.check_offload("load_tensors: offloaded 10/19 layers to GPU\n", 10, log) == "10/19"

@@ -246,5 +246,6 @@ case ${1:-} in
         MODE=pipeline setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null & ;;
     _run)  shift; start "$@" ;;
     wait)  wait_for "${2:-540}" ;;
+    quality) shift; exec bash "$(dirname "$0")/quality.sh" "$@" ;;  # issue 10 on the H200: ci/device/quality.sh
     *) echo "usage: $0 start [stages...] | pipeline [stages...] | wait SECONDS" >&2; exit 2 ;;
 esac

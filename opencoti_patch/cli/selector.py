@@ -26,9 +26,11 @@ from ..errors import OpencotiError
 from ..quality import needle, prose, recall
 from ..quality.evaluate import find_model, parse_samples_spec
 from ..report import info, render
+from ..stack.upstream import sha256_file
 from .options import fraction_list, int_list
 
 DUMP_EXE = "opencoti-qk-dump"
+DEFAULT_PROSE = Path("/usr/share/doc/python3/html")  # Debian's python3-doc
 
 
 def _pairs(text: str) -> dict[int, int]:
@@ -91,6 +93,11 @@ def _common(f: Any) -> Any:
                      help="Report base name: <out-dir>/<name>.json and .md (each command merges its part)."),
         click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
                      help="Scratch (Q/K dumps, logs; default: <work>/selector)."),
+        click.option("--ngl", type=int, default=0, show_default=True,
+                     help="Layers offloaded to the GPU by the harness (-ngl; 99: all, on a CUDA build)."),
+        click.option("--harness-arg", "harness_args", multiple=True,
+                     help="A further llama.cpp flag for opencoti-harness-batch, passed as is (repeatable; "
+                          "--harness-arg=-ub --harness-arg=1024)."),
     ]):
         f = opt(f)
     return f
@@ -98,12 +105,16 @@ def _common(f: Any) -> Any:
 
 class _Env:
     def __init__(self, build_dir: Path, llama_src: Path | None, model: Path | None,
-                 prose_dirs: tuple[Path, ...], work_dir: Path | None) -> None:
+                 prose_dirs: tuple[Path, ...], work_dir: Path | None, ngl: int = 0,
+                 harness_args: tuple[str, ...] = ()) -> None:
         settings = Settings.resolve()
+        if ngl < 0:
+            raise click.BadParameter("need a layer count >= 0", param_hint="--ngl")
+        self.offload = needle.Offload(ngl, tuple(harness_args))
         self.llama_src = (llama_src or settings.tree).resolve()
         self.bin = (build_dir / "bin").resolve()
         self.model = find_model(model)
-        self.prose_dirs = list(prose_dirs) or [Path("/usr/share/doc/python3/html")]
+        self.prose_dirs = list(prose_dirs) or [DEFAULT_PROSE]
         self.work = (work_dir or settings.work_dir / "selector").resolve()
         self.work.mkdir(parents=True, exist_ok=True)
         info(f"prose: reading {', '.join(map(str, self.prose_dirs))}")
@@ -119,8 +130,27 @@ class _Env:
         if splits and (len(splits) > 1 or splits[0].of_budget or splits[0].tokens != needle.RECENT):
             recent = " / ".join(s.name.removeprefix("r") for s in splits)
         return {"model": self.model.name, "prose": ", ".join(p.name for p in self.prose_dirs),
-                "machine": f"{platform.machine()} CPU, {platform.system()}", "block": needle.BLOCK,
-                "sink": needle.SINK, "recent": recent}
+                "prose_sha256": {p.name: sha256_file(p) for p in self.prose_dirs if p.is_file()},
+                "machine": machine_line(self.offload.ngl), "ngl": self.offload.ngl,
+                "harness_args": list(self.offload.extra), "block": needle.BLOCK, "sink": needle.SINK,
+                "recent": recent}
+
+
+def machine_line(ngl: int) -> str:
+    """What ran the model, for the report: the CPU, or the GPU(s) ``nvidia-smi -L`` names when layers are
+    offloaded (a report of a GPU run must not read as a CPU run)."""
+    cpu = f"{platform.machine()} CPU, {platform.system()}"
+    if ngl <= 0:
+        return cpu
+    import subprocess  # noqa: PLC0415
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    gpus = sorted({line.strip() for line in out.splitlines() if line.strip()})
+    return f"{', '.join(gpus) or 'GPU'} (-ngl {ngl}) on {cpu}"
 
 
 # path options shown as placeholders in reports: the paths of the machine a report was made on mean nothing to
@@ -162,6 +192,26 @@ def selector_group() -> None:
     """Judge the sparse-attention block selector on real prose (never on repeated filler)."""
 
 
+@selector_group.command("prose-pack")
+@click.option("--prose", "prose_dirs", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="Folder(s) or files to take prose from, as for the other selector commands (default: "
+                   "/usr/share/doc/python3/html). Repeatable.")
+@click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The bundle to write: .txt.gz (or .txt), one paragraph a line.")
+def prose_pack_command(prose_dirs: tuple[Path, ...], out_file: Path) -> None:
+    """Extract the prose corpus once into a small bundle file that `--prose` reads as the same corpus.
+
+    For a machine without the documentation (the H200: ci/device/quality.sh carries the bundle); the same
+    sources give the same bytes.
+    """
+    if not out_file.name.lower().endswith(prose.BUNDLE_SUFFIXES):
+        raise click.BadParameter(f"a bundle ends in {' or '.join(prose.BUNDLE_SUFFIXES)}", param_hint="--out")
+    paragraphs = prose.load_corpus(list(prose_dirs) or [DEFAULT_PROSE])
+    digest = prose.write_bundle(paragraphs, out_file)
+    click.echo(f"{out_file}: {len(paragraphs)} paragraphs, {sum(map(len, paragraphs))} characters, "
+               f"{out_file.stat().st_size} bytes, sha256 {digest}")
+
+
 @selector_group.command("recall")
 @_common
 @click.option("--texts", default="4096:2,8192:2,16384:2,32768:1", show_default=True,
@@ -176,7 +226,8 @@ def selector_group() -> None:
 @click.option("--q-last", type=int, default=256, show_default=True, help="Decode steps (queries) per text.")
 @click.option("--recent", "recent", default=str(needle.RECENT), show_default=True, help=_RECENT_HELP)
 def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
-                   seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, texts: str,
+                   seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, ngl: int,
+                   harness_args: tuple[str, ...], texts: str,
                    layers: str, shares: str, scorers: str, scale: float | None, q_last: int,
                    recent: str) -> None:
     """Share of the dense attention mass each scorer's selection keeps, vs the oracle and the window."""
@@ -184,7 +235,7 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
     import subprocess  # noqa: PLC0415
 
     t0 = time.monotonic()
-    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
+    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
     exe = env.exe(DUMP_EXE)
     layer_ids = int_list(layers)
     share_list = fraction_list(shares)
@@ -205,7 +256,8 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
                                                      int(n_ctx * 5.5)))
                 info(f"recall {n_ctx}: dense prefill of text {i + 1}/{count}")
                 cmd = [str(exe), "-m", str(env.model), "-f", str(text_file), "--layers", layers, "--q-last",
-                       str(q_last), "--max-tokens", str(n_ctx), "-t", str(threads), "-o", str(dump)]
+                       str(q_last), "--max-tokens", str(n_ctx), "-t", str(threads), "-ngl", str(ngl), "-o",
+                       str(dump)]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 if proc.returncode != 0:
                     raise click.ClickException(f"{exe.name} failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -241,8 +293,8 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
               help="Recent window(s) as for `selector recall` (several: rows <selector>@r<window>).")
 def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                     prose_dirs: tuple[Path, ...], seed: int, threads: int, out_dir: Path, name: str,
-                    work_dir: Path | None, samples: str, layers: str, shares: str, scorers: str,
-                    recent: str) -> None:
+                    work_dir: Path | None, ngl: int, harness_args: tuple[str, ...], samples: str, layers: str,
+                    shares: str, scorers: str, recent: str) -> None:
     """Does each scorer keep the block holding a passkey's needle, at the queries that answer it?
 
     Passkey prompts in real prose (needle outside the sink/recent blocks, the answer teacher-forced), one
@@ -257,7 +309,7 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
         raise click.ClickException("`selector needles` needs the gguf package (pip install gguf)") from exc
 
     t0 = time.monotonic()
-    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
+    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
     exe = env.exe(DUMP_EXE)
     field = GGUFReader(str(env.model)).fields["tokenizer.ggml.tokens"]
     vocab = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
@@ -277,7 +329,7 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                 (dump / "text.txt").write_text(prompt + " " + smp.key + ".")
                 info(f"needles {n_ctx}: dense prefill of {smp.sid}")
                 cmd = [str(exe), "-m", str(env.model), "-f", str(dump / "text.txt"), "--layers", layers,
-                       "--q-last", "12", "-t", str(threads), "-o", str(dump)]
+                       "--q-last", "12", "-t", str(threads), "-ngl", str(ngl), "-o", str(dump)]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 if proc.returncode != 0:
                     raise click.ClickException(f"{exe.name} failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -334,14 +386,19 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
 @click.option("--shares", default="0.25,0.125", show_default=True, help="Attended shares of the context.")
 @click.option("--fixed", default="2048", show_default=True,
               help="Fixed attended budgets in tokens (where below the shares' budgets).")
+@click.option("--per-doc", type=int, default=needle.PER_DOC, show_default=True,
+              help="Samples that share one filler text (each its own depth, key and wording; the prefill of "
+                   "the shared prefix is reused): fewer = more distinct texts, more prefill.")
 def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
-                    seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, samples: str,
-                    shares: str, fixed: str) -> None:
+                    seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, ngl: int,
+                    harness_args: tuple[str, ...], samples: str, shares: str, fixed: str,
+                    per_doc: int) -> None:
     """Passkey retrieval in real prose, dense and sparse (each budget) and the window, same samples."""
-    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
+    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
     res = needle.run_passkey(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=_pairs(samples),
                              shares=fraction_list(shares), fixed_tokens=int_list(fixed), seed=seed,
-                             threads=threads, log_dir=env.work / "logs", progress=info)
+                             threads=threads, log_dir=env.work / "logs", progress=info, per_doc=per_doc,
+                             offload=env.offload)
     _save(out_dir, name, "passkey", {"command": _command(), "n_generate": 8, **res}, env.meta())
 
 
@@ -355,13 +412,14 @@ def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None,
 @click.option("--fixed", default="2048", show_default=True, help="Fixed attended budgets in tokens.")
 def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                      prose_dirs: tuple[Path, ...], seed: int, threads: int, out_dir: Path, name: str,
-                     work_dir: Path | None, contexts: str, steps: int, n_texts: int, shares: str,
-                     fixed: str) -> None:
+                     work_dir: Path | None, ngl: int, harness_args: tuple[str, ...], contexts: str,
+                     steps: int, n_texts: int, shares: str, fixed: str) -> None:
     """KL(dense || sparse) and top-1 agreement over teacher-forced decode steps of real prose."""
-    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
+    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
     res = needle.run_fidelity(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=int_list(contexts),
                               shares=fraction_list(shares), fixed_tokens=int_list(fixed), steps=steps,
-                              seed=seed, threads=threads, log_dir=env.work / "logs", samples=n_texts)
+                              seed=seed, threads=threads, log_dir=env.work / "logs", samples=n_texts,
+                              offload=env.offload)
     _save(out_dir, name, "fidelity", {"command": _command(), **res}, env.meta())
 
 

@@ -163,9 +163,11 @@ void batch_log_cb(ggml_log_level level, const char * text, void * /*user_data*/)
         level = last;
     }
     last = level;
-    // quiet by default: warnings, errors and the sparse-attention setup lines
+    // quiet by default: warnings, errors, the sparse-attention setup lines and where the weights are (the
+    // "offloaded N/M layers to GPU" and "<buffer> model buffer size" lines: the caller checks an asked offload)
     if ((level == GGML_LOG_LEVEL_DEBUG || level == GGML_LOG_LEVEL_INFO) && !g_batch_verbose &&
-        std::strstr(text, "llama_sparse_attn") == nullptr) {
+        std::strstr(text, "llama_sparse_attn") == nullptr && std::strstr(text, "offloaded") == nullptr &&
+        std::strstr(text, "model buffer size") == nullptr) {
         return;
     }
     fputs(text, stderr);

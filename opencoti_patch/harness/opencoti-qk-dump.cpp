@@ -6,7 +6,10 @@
 // scorer, budget and block size, from one prefill (teacher forcing: query t attends to keys 0..t, as the
 // decode step at position t does).
 //
-//   opencoti-qk-dump -m MODEL -f TEXT --layers 5,11,17 [--q-last N] [--max-tokens N] [-t THREADS] -o DIR
+//   opencoti-qk-dump -m MODEL -f TEXT --layers 5,11,17 [--q-last N] [--max-tokens N] [-t THREADS] [-ngl N] -o DIR
+//
+// -ngl: layers offloaded to a GPU (default 0: CPU only, whatever the build has); the captured tensors are
+// copied back to the host either way.
 //
 // Writes DIR/k-<layer>.npy  float32 [n_tokens, n_head_kv, head_dim]
 //        DIR/q-<layer>.npy  float32 [q_last,   n_head,    head_dim]  (queries of the last q_last positions)
@@ -84,14 +87,14 @@ bool write_npy(const std::string & path, const char * descr, const void * data, 
 }
 
 void usage(const char * argv0) {
-    fprintf(stderr, "usage: %s -m MODEL -f TEXT --layers L1,L2,... -o DIR [--q-last N] [--max-tokens N] [-t N]\n", argv0);
+    fprintf(stderr, "usage: %s -m MODEL -f TEXT --layers L1,L2,... -o DIR [--q-last N] [--max-tokens N] [-t N] [-ngl N]\n", argv0);
 }
 
 } // namespace
 
 int main(int argc, char ** argv) {
     std::string model_path, text_path, out_dir, layers_arg;
-    int q_last = 256, max_tokens = 0, n_threads = 2;
+    int q_last = 256, max_tokens = 0, n_threads = 2, n_gpu_layers = 0;
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
         auto val = [&]() -> std::string {
@@ -108,6 +111,7 @@ int main(int argc, char ** argv) {
         else if (a == "--q-last") { q_last = std::atoi(val().c_str()); }
         else if (a == "--max-tokens") { max_tokens = std::atoi(val().c_str()); }
         else if (a == "-t") { n_threads = std::atoi(val().c_str()); }
+        else if (a == "-ngl") { n_gpu_layers = std::atoi(val().c_str()); }
         else { usage(argv[0]); return 2; }
     }
     if (model_path.empty() || text_path.empty() || out_dir.empty() || layers_arg.empty() || q_last <= 0) {
@@ -138,13 +142,14 @@ int main(int argc, char ** argv) {
     const std::string text = text_ss.str();
 
     llama_log_set([](ggml_log_level level, const char * msg, void *) {
-        if (level >= GGML_LOG_LEVEL_WARN) {
+        if (level >= GGML_LOG_LEVEL_WARN || std::strstr(msg, "offloaded") != nullptr) {
             fputs(msg, stderr);
         }
     }, nullptr);
     ggml_backend_load_all();
 
     llama_model_params mparams = llama_model_default_params();
+    mparams.n_gpu_layers = n_gpu_layers;
     llama_model * model = llama_model_load_from_file(model_path.c_str(), mparams);
     if (!model) {
         fprintf(stderr, "error: cannot load %s\n", model_path.c_str());

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import subprocess
 import tempfile
 import time
@@ -35,6 +36,7 @@ from .prose import take_text
 BLOCK = 128
 SINK = 128
 RECENT = 256
+PER_DOC = 25  # passkey samples per filler text (make_samples)
 
 HEADER = "Read the following text carefully. A pass key is hidden somewhere in it; remember it.\n\n"
 NEEDLES = (
@@ -114,9 +116,12 @@ class Sample:
         return HEADER + text[:at] + needle + "\n\n" + text[at:] + QUESTIONS[self.question]
 
 
-def make_samples(seed: int, n_ctx: int, count: int, n_paragraphs: int, per_doc: int = 25) -> list[Sample]:
+def make_samples(seed: int, n_ctx: int, count: int, n_paragraphs: int,
+                 per_doc: int = PER_DOC) -> list[Sample]:
     """``count`` samples: groups of ``per_doc`` share one filler (prefix reuse), depths spread uniformly over
     the droppable part of the context, keys, wordings and frames drawn from ``seed``."""
+    if per_doc < 1:
+        raise OpencotiError(f"need at least one sample per filler text, got {per_doc}")
     rng = random.Random(seed * 1_000_003 + n_ctx)
     lo = (SINK + 2 * BLOCK) / n_ctx  # past the sink block (and the header)
     hi = 1.0 - (RECENT + 3 * BLOCK) / n_ctx  # before the recent blocks (and the question)
@@ -132,17 +137,48 @@ def make_samples(seed: int, n_ctx: int, count: int, n_paragraphs: int, per_doc: 
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Offload:
+    """Where the harness runs: ``ngl`` layers on the GPU (0: CPU only, the default) and further llama.cpp
+    flags passed through to ``opencoti-harness-batch`` as they are."""
+
+    ngl: int = 0
+    extra: tuple[str, ...] = ()
+
+
+def batch_command(exe: Path, model: Path, n_ctx: int, variants_file: Path, requests_file: Path, *,
+                  threads: int, offload: Offload = Offload()) -> list[str]:
+    """The harness command line of :func:`run_variants` (the passed-through flags last, so they override)."""
+    return [str(exe), "--batch", str(requests_file), "--variants", str(variants_file), "-m", str(model),
+            "-c", str(n_ctx), "-fa", "on", "-t", str(threads), "-ngl", str(offload.ngl), "--swa-full",
+            *offload.extra]
+
+
+_OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+
+
+def check_offload(log_text: str, ngl: int, log: Path) -> str | None:
+    """``N/M`` from llama's "offloaded N/M layers to GPU" line; with ``ngl`` > 0 every asked layer must be on
+    the GPU (a CPU build prints no such line, a GPU build with too little memory fewer layers), else an
+    error."""
+    found = _OFFLOADED.findall(log_text)
+    got = f"{found[-1][0]}/{found[-1][1]}" if found else None
+    if ngl > 0 and (not found or int(found[-1][0]) < min(ngl, int(found[-1][1]))):
+        raise OpencotiError(f"asked for -ngl {ngl}, but the harness offloaded {got or 'no'} layers to a GPU "
+                            f"(a build without a GPU backend? log {log})")
+    return got
+
+
 def run_variants(exe: Path, model: Path, n_ctx: int, variants: Sequence[Variant],
                  requests: Sequence[dict[str, Any]], *, threads: int, log: Path,
                  on_line: Callable[[dict[str, Any]], None] | None = None,
-                 extra: Sequence[str] = ()) -> list[dict[str, Any]]:
+                 offload: Offload = Offload()) -> list[dict[str, Any]]:
     """One harness process: every request prefilled once (dense), decoded by every variant."""
     with tempfile.TemporaryDirectory(prefix="opencoti-needle-") as tmp:
         vfile, rfile = Path(tmp) / "variants.jsonl", Path(tmp) / "requests.jsonl"
         vfile.write_text("".join(json.dumps(v.json()) + "\n" for v in variants))
         rfile.write_text("".join(json.dumps(r) + "\n" for r in requests))
-        cmd = [str(exe), "--batch", str(rfile), "--variants", str(vfile), "-m", str(model), "-c", str(n_ctx),
-               "-fa", "on", "-t", str(threads), "-ngl", "0", "--swa-full", *extra]
+        cmd = batch_command(exe, model, n_ctx, vfile, rfile, threads=threads, offload=offload)
         out: list[dict[str, Any]] = []
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as err, \
@@ -158,6 +194,7 @@ def run_variants(exe: Path, model: Path, n_ctx: int, variants: Sequence[Variant]
     if rc != 0 or len(out) != expected:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-10:])
         raise OpencotiError(f"harness exited {rc} after {len(out)}/{expected} results (log {log})\n{tail}")
+    check_offload(log.read_text(errors="replace"), offload.ngl, log)
     for r in out:
         if "variant" not in r:  # tokenize_only
             continue
@@ -191,25 +228,29 @@ def chars_per_token(exe: Path, model: Path, paragraphs: list[str], log: Path) ->
 
 def run_passkey(exe: Path, model: Path, paragraphs: list[str], *, contexts: dict[int, int],
                 shares: Sequence[float], fixed_tokens: Sequence[int], seed: int, threads: int, log_dir: Path,
-                n_generate: int = 8, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                n_generate: int = 8, progress: Callable[[str], None] | None = None, per_doc: int = PER_DOC,
+                offload: Offload = Offload()) -> dict[str, Any]:
     t0 = time.monotonic()
     cpt = chars_per_token(exe, model, paragraphs, log_dir / "fit.log")
     by_ctx: dict[str, Any] = {}
     for n_ctx, count in contexts.items():
         variants = variants_for(n_ctx, shares, fixed_tokens)
-        samples = make_samples(seed, n_ctx, count, len(paragraphs))
+        samples = make_samples(seed, n_ctx, count, len(paragraphs), per_doc)
         filler_chars = int((n_ctx - 160 - n_generate) * cpt * 0.96)
         # deepest needle first within a filler: a prompt shares its text up to its needle with the one before
         ordered = sorted(samples, key=lambda s: (s.doc, -s.depth))
         reqs = [{"id": s.sid, "text": s.prompt(paragraphs, filler_chars), "n_generate": n_generate,
                  "reuse_prefix": BLOCK} for s in ordered]
         tick = _Progress(progress, f"passkey {n_ctx}", len(reqs), len(variants))
+        t_ctx = time.monotonic()
         res = run_variants(exe, model, n_ctx, variants, reqs, threads=threads,
-                           log=log_dir / f"passkey-{n_ctx}.log", on_line=tick)
+                           log=log_dir / f"passkey-{n_ctx}.log", on_line=tick, offload=offload)
         keys = {s.sid: s for s in samples}
-        per: dict[str, dict[str, Any]] = {v.name: {"correct": 0, "answers": {}} for v in variants}
+        per: dict[str, dict[str, Any]] = {v.name: {"correct": 0, "answers": {}, "ms_decode": 0.0}
+                                          for v in variants}
         for r in res:
             s = keys[r["id"]]
+            per[r["variant"]]["ms_decode"] += float(r["ms_decode"])
             if r["n_tokens"] + n_generate > n_ctx:
                 raise OpencotiError(f"{s.sid}: {r['n_tokens']} prompt tokens do not fit {n_ctx}")
             ans = parse_answer(r["text"])
@@ -228,15 +269,19 @@ def run_passkey(exe: Path, model: Path, paragraphs: list[str], *, contexts: dict
         n_tokens = [int(r["n_tokens"]) for r in res]
         by_ctx[str(n_ctx)] = {"samples": count, "variants": per,
                               "prompt_tokens": [min(n_tokens), max(n_tokens)],
-                              "ms_prefill": sum(r["ms_prefill"] for r in res if r["variant"] == "dense")}
+                              "ms_prefill": sum(r["ms_prefill"] for r in res if r["variant"] == "dense"),
+                              "prefill_tokens": sum(int(r["n_prefill"]) - int(r["reused"]) for r in res
+                                                    if r["variant"] == "dense"),
+                              "seconds": time.monotonic() - t_ctx}
     return {"kind": "passkey", "seed": seed, "shares": list(shares), "fixed_tokens": list(fixed_tokens),
+            "per_doc": per_doc,
             "needles": list(NEEDLES), "questions": list(QUESTIONS), "header": HEADER, "chars_per_token": cpt,
             "contexts": by_ctx, "seconds": time.monotonic() - t0}
 
 
 def run_fidelity(exe: Path, model: Path, paragraphs: list[str], *, contexts: Sequence[int],
                  shares: Sequence[float], fixed_tokens: Sequence[int], steps: int, seed: int, threads: int,
-                 log_dir: Path, samples: int = 1) -> dict[str, Any]:
+                 log_dir: Path, samples: int = 1, offload: Offload = Offload()) -> dict[str, Any]:
     t0 = time.monotonic()
     cpt = chars_per_token(exe, model, paragraphs, log_dir / "fit.log")
     rng = random.Random(seed)
@@ -250,7 +295,7 @@ def run_fidelity(exe: Path, model: Path, paragraphs: list[str], *, contexts: Seq
                      "n_prefill": n_prefill, "n_forced": steps, "dump": str(Path(tmp) / f"f{n_ctx}-{i}.f32"),
                      "return_targets": True} for i in range(samples)]
             res = run_variants(exe, model, n_ctx, variants, reqs, threads=threads,
-                               log=log_dir / f"fidelity-{n_ctx}.log")
+                               log=log_dir / f"fidelity-{n_ctx}.log", offload=offload)
             for req in reqs:
                 dense = next(r for r in res if r["id"] == req["id"] and r["variant"] == "dense")
                 for v in variants[1:]:

@@ -7,7 +7,10 @@ Sources, read in sorted path order so that the corpus is the same on every machi
 - HTML (e.g. the Python documentation, Debian's ``python3-doc``: ``/usr/share/doc/python3/html``):
   the text of ``<p>`` elements outside ``<pre>``/``<code>``-only blocks, tables and navigation;
 - Markdown (e.g. the ``docs/`` of the pinned llama.cpp tree, which every run fetches): paragraphs
-  outside code fences, tables, headings, lists of links and HTML.
+  outside code fences, tables, headings, lists of links and HTML;
+- a **bundle** (``.txt`` or ``.txt.gz``, :func:`write_bundle`): one paragraph per line, exactly as extracted
+  from the sources above. It is small enough to carry to a machine that has no documentation installed
+  (the Python HTML documentation: about 1.4 MB gzipped) and gives that machine the same corpus.
 
 Only paragraphs of at least ``min_words`` words that read as sentences (end with ``.``, ``!``, ``?``
 or ``:``) are kept, and each paragraph once (the first occurrence), so nothing repeats.
@@ -15,6 +18,8 @@ or ``:``) are kept, and each paragraph once (the first occurrence), so nothing r
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import html
 import re
 from collections.abc import Iterable, Iterator
@@ -95,21 +100,55 @@ def _markdown_paragraphs(text: str) -> list[str]:
     return out
 
 
+BUNDLE_SUFFIXES = (".txt", ".txt.gz")
+
+
+def _is_bundle(path: Path) -> bool:
+    return path.name.lower().endswith(BUNDLE_SUFFIXES)
+
+
+def _bundle_paragraphs(path: Path) -> list[str]:
+    raw = path.read_bytes()
+    if path.name.lower().endswith(".gz"):
+        raw = gzip.decompress(raw)
+    return raw.decode("utf-8", errors="replace").splitlines()
+
+
+def write_bundle(paragraphs: Iterable[str], path: Path) -> str:
+    """Write ``paragraphs`` as a bundle (one a line; gzip without a time stamp or name when ``path`` ends in
+    ``.gz``, so the same corpus gives the same bytes); returns the file's sha256."""
+    lines = []
+    for p in paragraphs:
+        if "\n" in p or "\r" in p:  # extraction collapses whitespace: a paragraph is one line
+            raise OpencotiError("a prose paragraph holds a line break: it cannot go into a bundle")
+        lines.append(p + "\n")
+    data = "".join(lines).encode("utf-8")
+    if path.name.lower().endswith(".gz"):
+        data = gzip.compress(data, compresslevel=9, mtime=0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
 def is_prose(paragraph: str, min_words: int = MIN_WORDS) -> bool:
     words = paragraph.split()
     return len(words) >= min_words and paragraph.rstrip().endswith((".", "!", "?", ":"))
 
 
 def iter_paragraphs(roots: Iterable[Path], min_words: int = MIN_WORDS) -> Iterator[str]:
-    """Distinct prose paragraphs of every .html/.md file under ``roots``, in sorted path order."""
+    """Distinct prose paragraphs of every .html/.md file under ``roots``, in sorted path order (a root that is
+    a file is read alone: HTML, Markdown or a bundle)."""
     seen: set[str] = set()
     for root in roots:
         files = [root] if root.is_file() else sorted(
             p for p in root.rglob("*") if p.suffix.lower() in (".html", ".htm", ".md") and p.is_file())
         for path in files:
-            text = path.read_text(encoding="utf-8", errors="replace")
-            paras = _html_paragraphs(text) if path.suffix.lower() in (".html", ".htm") \
-                else _markdown_paragraphs(text)
+            if _is_bundle(path):
+                paras = _bundle_paragraphs(path)
+            else:
+                text = path.read_text(encoding="utf-8", errors="replace")
+                paras = _html_paragraphs(text) if path.suffix.lower() in (".html", ".htm") \
+                    else _markdown_paragraphs(text)
             for p in paras:
                 if is_prose(p, min_words) and p not in seen:
                     seen.add(p)

