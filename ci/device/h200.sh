@@ -16,8 +16,9 @@
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
 # Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all,
-# batched4, profile (a kernel timeline of llama-bench at each of PROFILE_DEPTHS, default 131072, dense and sparse:
-# kernel-trace.cpp + kernel_profile.py)
+# quality (ci/device/quality.sh fg: issue 10's selector quality on real prose, Gemma 3 270M), batched4,
+# profile (a kernel timeline of llama-bench at each of PROFILE_DEPTHS, default 131072, dense and sparse, and with
+# PROFILE_PP="off on" of a 32K prompt: kernel-trace.cpp + kernel_profile.py)
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072)
 set -u
 ROOT=$(pwd)
@@ -195,6 +196,9 @@ start() {
                 run_stage "profile-pp-$sa" traced "profile-pp-$sa" "$BIN/llama-batched-bench" -m "$M8B" -ngl $NGL \
                     -fa on -c 33000 -b 2048 -ub 512 -npp 32768 -ntg 8 -npl 1 --sparse-attn "$sa"
             done ;;
+        quality) # issue 10 on the H200 (ci/device/quality.sh inputs + receive first), alone on the GPU
+            # shellcheck disable=SC2086
+            run_stage quality bash "$ROOT/ci/device/quality.sh" fg ${QUALITY_STAGES:-} ;;
         batched4)
             # B = 4 sequences in one unified stream only (each its own selection; the per-sequence min-ctx rule)
             for sa in off on; do
@@ -223,6 +227,8 @@ collect() {
         tail -n 300 "$f" > "$LOG/work/$rel"
     done
     (cd "$W" && tar czf "$OUT/results.tgz" log 2>/dev/null)
+    [ -d "${OPENCOTI_QUALITY_WORK:-/tmp/ocw-quality}/log" ] && bash "$ROOT/ci/device/quality.sh" collect
+    return 0
 }
 
 wait_for() {

@@ -14,6 +14,11 @@
 #   ci/device/quality.sh wait SECONDS      progress until done, a failed stage or SECONDS; results into $OUT
 #   ci/device/quality.sh status            the status file and the last lines of the running stage's log
 #   ci/device/quality.sh args [STAGES...]  what each stage runs (`opencoti-patch selector ...` arguments)
+#   ci/device/quality.sh inputs            copy the carried prose bundle, wheels and package now; then
+#   ci/device/quality.sh fg [STAGES...]    in the foreground: wait for the model (receive), run as `run` does
+#                                          (h200.sh's `quality` stage: after the tests, before the benchmarks,
+#                                          so that nothing else uses the GPU meanwhile)
+#   ci/device/quality.sh collect           the reports so far into $OUT
 #
 # `run` needs .carry/quality/ (the prose bundle) and .carry/wheels/quality/ (click, jinja2, MarkupSafe,
 # GitPython, gitdb, smmap) carried in that call. Stages (default: the order below, most important first):
@@ -188,8 +193,17 @@ stage_inputs() {
         cp "$bundle" "$QW/"
         [ -n "$BUILD" ] || die "OPENCOTI_DEVICE_CUDA=0 needs OPENCOTI_QUALITY_BUILD=<CPU build of the patched tree>"
     fi
+}
+
+check_model() {
     local model; model=$(model_path)
     [ -f "$model" ] || die "no model at $model (ci/device/quality.sh receive assembles it from the parts)"
+}
+
+wait_model() { # fg: the parts may still be arriving (receive in later calls), up to QUALITY_MODEL_WAIT seconds
+    local t0=$SECONDS model; model=$(model_path)
+    while [ ! -f "$model" ] && [ $((SECONDS - t0)) -lt "${QUALITY_MODEL_WAIT:-600}" ]; do sleep 5; done
+    check_model
 }
 
 env_setup() {
@@ -323,11 +337,14 @@ case ${1:-} in
     receive) receive ;;
     run)     shift
              for s in "$@"; do stage_args "$s" > /dev/null || die "unknown stage $s (stages: $DEFAULT_STAGES)"; done
-             stage_inputs
+             stage_inputs; check_model
              setsid nohup bash "$0" _run "$@" > "$QW/run.log" 2>&1 < /dev/null &
              echo $! > "$QW/pid"
              echo "quality.sh: started (log $LOG/status)" ;;
     _run)    shift; run_all "$@" ;;
+    inputs)  stage_inputs ;;                                  # copy the carried inputs now, for a later fg
+    fg)      shift; wait_model && run_all "$@" ;;             # in the foreground (a stage of h200.sh start)
+    collect) collect ;;
     args)    shift; for s in "${@:-$DEFAULT_STAGES}"; do
                  for t in $s; do echo "$t: $(stage_args "$t" || echo unknown)"; done
              done ;;
