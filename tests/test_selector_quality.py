@@ -294,3 +294,26 @@ def test_an_asked_offload_must_have_happened() -> None:
     with pytest.raises(OpencotiError, match="offloaded 10/19"):
         needle.check_offload("load_tensors: offloaded 10/19 layers to GPU\n", 99, log)
     assert needle.check_offload("load_tensors: offloaded 10/19 layers to GPU\n", 10, log) == "10/19"
+
+
+def test_passkey_harness_context_has_headroom_for_a_long_prompt(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # seen on the H200: a prompt aimed at 8K came out at 8189 tokens, + 8 generated > 8192: refused
+    assert needle.harness_ctx(8192, 8) == 8192 + needle.CTX_HEADROOM
+    with pytest.raises(OpencotiError, match="headroom"):
+        needle.harness_ctx(8192, needle.CTX_HEADROOM)
+    seen: list[int] = []
+
+    def fake_run_variants(exe: Path, model: Path, n_ctx: int, variants: list[needle.Variant],
+                          reqs: list[dict[str, object]], **kw: object) -> list[dict[str, object]]:
+        seen.append(n_ctx)
+        return [{"id": r["id"], "variant": v.name, "n_tokens": 8189, "text": " 12345", "ms_decode": 1.0,
+                 "ms_prefill": 1.0, "n_prefill": 8188, "reused": 0} for r in reqs for v in variants]
+
+    monkeypatch.setattr(needle, "chars_per_token", lambda *a, **k: 4.0)
+    monkeypatch.setattr(needle, "run_variants", fake_run_variants)
+    paras = [LONG.replace("This", f"Text {i}") * 40 for i in range(12)]
+    res = needle.run_passkey(Path("harness"), Path("m.gguf"), paras, contexts={8192: 2}, shares=[0.25],
+                             fixed_tokens=[], seed=1, threads=1, log_dir=tmp_path, per_doc=1)
+    assert seen == [8192 + needle.CTX_HEADROOM]
+    assert res["contexts"]["8192"]["prompt_tokens"] == [8189, 8189]
