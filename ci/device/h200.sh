@@ -34,17 +34,8 @@ M14B=${OPENCOTI_M14B:-$W/m-14b-q4_0.gguf}
 NGL=99; BACKEND=CUDA0; GPU_FLAG=--cuda; PIPE_LABEL=cuda
 [ "$CUDA" = 1 ] || { NGL=0; BACKEND=CPU; GPU_FLAG=; PIPE_LABEL=cpu; }
 
-stage_begin() { echo "$(date +%T) begin $1" >> "$LOG/status"; }
-stage_end()   { echo "$(date +%T) end $1 rc=$2" >> "$LOG/status"; }
-
-run_stage() { # name cmd...
-    local name=$1; shift
-    stage_begin "$name"
-    ( set -o pipefail; "$@" ) > "$LOG/$name.log" 2>&1
-    local rc=$?
-    stage_end "$name" $rc
-    return $rc
-}
+# shellcheck source=ci/device/stages.sh
+source "$(dirname "$0")/stages.sh"
 
 prepare_src() {
     mkdir -p "$W"

@@ -161,17 +161,8 @@ receive() {
 }
 
 # ---- device: the runs --------------------------------------------------------------------------------------
-stage_begin() { echo "$(date +%T) begin $1" >> "$LOG/status"; }
-stage_end()   { echo "$(date +%T) end $1 rc=$2" >> "$LOG/status"; }
-
-run_stage() { # name cmd...
-    local name=$1; shift
-    stage_begin "$name"
-    ( set -o pipefail; "$@" ) > "$LOG/$name.log" 2>&1
-    local rc=$?
-    stage_end "$name" $rc
-    return $rc
-}
+# shellcheck source=ci/device/stages.sh
+source "$(dirname "$0")/stages.sh"
 
 model_path() {
     if [ -n "${OPENCOTI_QUALITY_MODEL:-}" ]; then echo "$OPENCOTI_QUALITY_MODEL"
