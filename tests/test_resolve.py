@@ -248,3 +248,26 @@ def test_line_merge_of_a_region_replacing_several_lines_stays_a_conflict() -> No
     text = conflict(["f(1);", "g(1);"], ["f();", "g();"], [BEGIN, "f(s);", "g(s);", END])
     result = resolve_text("f.c", text)
     assert result.text == text and result.left
+
+
+def test_region_naming_what_the_new_upstream_file_lost_stays_a_conflict() -> None:
+    """The real 0.3.35 case (llama-context.cpp): our region sits at the right anchor, but its code
+    resets ``gf_res_prev_active``, a member the old upstream file has and the new one has not. With the
+    two upstream files handed over it is left (a port); a region naming only what both have is not."""
+    region = [BEGIN, "    if (mctx && prepare(this)) {", "        gf_res_prev_active = nullptr;", "    }",
+              END]
+    text = conflict(["    auto * res = gf_res_prev.get();"], ["    auto * res = get_gf_res_prev();"],
+                    [*region, "    auto * res = get_gf_res_prev();"])
+    old_up = ("llm_graph_result * gf_res_prev_active = nullptr; // old upstream\n"
+              "auto * res = get_gf_res_prev();\n")
+    new_up = "auto * res = gf_res_prev.get();\nif (mctx && ok) { return; }\n"
+    assert resolve_text("llama-context.cpp", text).resolved  # placed by marker-region without the files
+    result = resolve_text("llama-context.cpp", text, old_up, new_up)
+    assert result.text == text and not result.resolved
+    assert "'gf_res_prev_active'" in result.left[0].why and "a port" in result.left[0].why
+    # names only in comments or strings of the region, or our own new names, do not count
+    region = [BEGIN, "    // was gf_res_prev_active", '    log("gf_res_prev_active");', "    int fresh = 1;",
+              END]
+    text = conflict(["    auto * res = gf_res_prev.get();"], ["    auto * res = get_gf_res_prev();"],
+                    [*region, "    auto * res = get_gf_res_prev();"])
+    assert resolve_text("llama-context.cpp", text, old_up + "log(x);\n", new_up + "log(y);\n").resolved

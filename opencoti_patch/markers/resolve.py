@@ -26,6 +26,11 @@ and each change finds its place in upstream's new text (ours):
 
 Anything else (a change outside any region, base lines upstream changed too, an anchor not found or
 found twice in the wrong order) leaves the block as it was, conflict markers and all.
+
+Placed right is not yet correct: a region whose code names something the old upstream file has and
+the new one has not (``use_kv_cur`` in ``build_attn``, ``gf_res_prev_active`` in ``llama-context.cpp``:
+the region was written against code upstream does not have there) is left too (``gone_names``), when
+the caller hands over the two upstream versions of the file (``rebase`` does): that is a port.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..stack.hunks import find_nearest
-from .syntax import parse_marker
+from .syntax import comment_prefix, parse_marker
 
 OURS, BASE, SEP, THEIRS = "<<<<<<< ", "||||||| ", "=======", ">>>>>>> "
 
@@ -47,6 +52,8 @@ COUNT_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("rpc-proto-version", re.compile(r"^\s*#\s*define\s+RPC_PROTO_\w+_VERSION\s+\d+\s*$")),
 )
 NUMBER_RE = re.compile(r"\d+")
+NAME_RE = re.compile(r"[A-Za-z_]\w*")
+STRING_RE = re.compile(r'"(?:\\.|[^"\\])*"')
 
 
 @dataclass
@@ -146,6 +153,35 @@ def marked_mask(lines: Sequence[str], open_before: bool = False) -> list[bool]:
         else:
             mask.append(inside)
     return mask
+
+
+# -- names -------------------------------------------------------------------------------------
+
+
+def code_names(path: str, lines: Sequence[str]) -> set[str]:
+    """The identifiers in the code of ``lines`` (string literals and line comments left out)."""
+    prefix = comment_prefix(path)
+    names: set[str] = set()
+    for ln in lines:
+        code = STRING_RE.sub('""', ln)
+        if prefix:
+            code = code.split(prefix, 1)[0]
+        names.update(NAME_RE.findall(code))
+    return names
+
+
+def gone_names(path: str, old_upstream: str, new_upstream: str) -> set[str]:
+    """Identifiers the old upstream file has and the new one has not."""
+    return code_names(path, old_upstream.split("\n")) - code_names(path, new_upstream.split("\n"))
+
+
+def check_names(path: str, lines: Sequence[str], gone: set[str]) -> None:
+    """Unresolvable when the code of a region placed in upstream's new text names what it lost."""
+    content = [ln for ln in lines if parse_marker(ln) is None]
+    hits = sorted(code_names(path, content) & gone)
+    if hits:
+        shown = ", ".join(repr(h) for h in hits[:3])
+        raise Unresolvable(f"our region names {shown}, which upstream's new file does not have (a port)")
 
 
 # -- rules -------------------------------------------------------------------------------------
@@ -368,8 +404,10 @@ def _place(placers: Sequence[tuple[str, Placer]], block: Block, ch: Change, lo: 
     raise Unresolvable("; ".join(why))
 
 
-def resolve_block(block: Block) -> tuple[list[str], list[str], str]:
-    """(resolved lines, rule names, detail) of a block; Unresolvable when no rule applies."""
+def resolve_block(block: Block, path: str = "",
+                  gone: set[str] | None = None) -> tuple[list[str], list[str], str]:
+    """(resolved lines, rule names, detail) of a block; Unresolvable when no rule applies, or when a
+    placed region names one of ``gone`` (identifiers upstream's new file lost)."""
     changes = our_changes(block)
     if not changes:
         return list(block.ours), ["upstream-only"], "our patch changes nothing here"
@@ -386,6 +424,8 @@ def resolve_block(block: Block) -> tuple[list[str], list[str], str]:
             placers = (("marker-region-replace", rule_region_replace), ("count", rule_count),
                        ("marker-region-line-merge", rule_line_merge))
         name, (a, b, new, detail) = _place(placers, block, ch, lo, drift)
+        if gone:
+            check_names(path, new, gone)
         if a < lo:
             raise Unresolvable("our changes land out of order in upstream's new text")
         edits.append((a, b, new))
@@ -396,8 +436,12 @@ def resolve_block(block: Block) -> tuple[list[str], list[str], str]:
     return _splice(out, edits), rules, "; ".join(details)
 
 
-def resolve_text(path: str, text: str) -> FileResolution:
-    """Resolve what the rules can of a diff3-style merged file; the rest stays as it was."""
+def resolve_text(path: str, text: str, old_upstream: str | None = None,
+                 new_upstream: str | None = None) -> FileResolution:
+    """Resolve what the rules can of a diff3-style merged file; the rest stays as it was. With both
+    upstream versions of the file, a region that names what the new one lost is left (``check_names``)."""
+    both = old_upstream is not None and new_upstream is not None
+    gone = gone_names(path, old_upstream or "", new_upstream or "") if both else set()
     lines = text.split("\n")
     blocks = parse_blocks(lines)
     out: list[str] = []
@@ -406,7 +450,7 @@ def resolve_text(path: str, text: str) -> FileResolution:
     for block in blocks:
         out += lines[at:block.start]
         try:
-            new, rules, detail = resolve_block(block)
+            new, rules, detail = resolve_block(block, path, gone)
         except Unresolvable as exc:
             first = len(out) + 1
             out += lines[block.start:block.end]
@@ -422,8 +466,9 @@ def resolve_text(path: str, text: str) -> FileResolution:
     return result
 
 
-def resolve_conflicts(path: str, text: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+def resolve_conflicts(path: str, text: str, old_upstream: str | None = None, new_upstream: str | None = None
+                      ) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     """The resolver ``rebase`` and ``apply --3way`` take (``stack.apply.Resolver``)."""
-    result = resolve_text(path, text)
+    result = resolve_text(path, text, old_upstream, new_upstream)
     data = result.as_dict()
     return result.text, data["resolved"], data["left"]

@@ -33,9 +33,10 @@ AUTO = "auto-resolved"  # 3-way merge conflicted and every conflict block was re
 APPLIED_OK = (CLEAN, MERGED, AUTO)
 
 # A conflict resolver (``markers/resolve.py``, handed down by the CLI): (path, the file merged in
-# diff3 style) -> (the text to write, the blocks it resolved, the blocks left); each block a dict
-# with ``file``, ``lines`` and ``rules`` (resolved) or ``why`` (left).
-Resolver = Callable[[str, str], tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]
+# diff3 style, the old upstream file, the new upstream file) -> (the text to write, the blocks it
+# resolved, the blocks left); each block a dict with ``file``, ``lines`` and ``rules`` (resolved) or
+# ``why`` (left).
+Resolver = Callable[[str, str, str, str], tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]
 APPLIED_RE = re.compile(r"^Applied patch to '(.+)' (cleanly|with conflicts)\.$")
 
 
@@ -150,7 +151,8 @@ def auto_resolve(tree: Tree, files: list[str], resolver: Resolver
             if r.rc < 0 or not isinstance(r.out, bytes):
                 still.append(path)
                 continue
-            text, done, rest = resolver(path, r.out.decode("utf-8", "surrogateescape"))
+            ours, base = (st.read_bytes().decode("utf-8", "surrogateescape") for st in stages[:2])
+            text, done, rest = resolver(path, r.out.decode("utf-8", "surrogateescape"), base, ours)
             (tree.path / path).write_bytes(text.encode("utf-8", "surrogateescape"))
             resolved += done
             left += rest
