@@ -19,7 +19,10 @@ CMAKE = """# UPSTREAM_SYNC(tiny): file
 cmake_minimum_required(VERSION 3.14)
 project(tiny C)
 set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
-add_executable(tiny-test t.c)
+# like llama.cpp's tests that link the CPU backend: defined only without dynamically loaded backends
+if (NOT GGML_BACKEND_DL)
+    add_executable(tiny-test t.c)
+endif()
 """
 
 
