@@ -271,3 +271,13 @@ def test_region_naming_what_the_new_upstream_file_lost_stays_a_conflict() -> Non
     text = conflict(["    auto * res = gf_res_prev.get();"], ["    auto * res = get_gf_res_prev();"],
                     [*region, "    auto * res = get_gf_res_prev();"])
     assert resolve_text("llama-context.cpp", text, old_up + "log(x);\n", new_up + "log(y);\n").resolved
+
+
+def test_a_name_the_new_file_lost_but_the_new_tree_has_still_counts_as_there() -> None:
+    """The 0.3.33 false alarm: fattn.cu there no longer spells ``int32_t``; the tree does (a header)."""
+    region = [BEGIN, "    const int32_t n = lost_member;", END]
+    text = conflict(["    int b2;"], ["    int b;"], [*region, "    int b;"])
+    old_up, new_up = "int32_t x; int lost_member;\nint b;\n", "int b2;\n"
+    result = resolve_text("f.c", text, old_up, new_up, known=lambda name: name == "int32_t")
+    assert "'lost_member'" in result.left[0].why and "int32_t" not in result.left[0].why
+    assert resolve_text("f.c", text, old_up, new_up, known=lambda name: True).resolved

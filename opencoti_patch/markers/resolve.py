@@ -30,7 +30,9 @@ found twice in the wrong order) leaves the block as it was, conflict markers and
 Placed right is not yet correct: a region whose code names something the old upstream file has and
 the new one has not (``use_kv_cur`` in ``build_attn``, ``gf_res_prev_active`` in ``llama-context.cpp``:
 the region was written against code upstream does not have there) is left too (``gone_names``), when
-the caller hands over the two upstream versions of the file (``rebase`` does): that is a port.
+the caller hands over the two upstream versions of the file (``rebase`` does): that is a port. A name
+the new file lost but the new tree still has (``int32_t``, a ggml API function) does not count, when
+the caller also says which names the new tree knows (``rebase``: ``git grep`` of its HEAD).
 """
 
 from __future__ import annotations
@@ -175,10 +177,12 @@ def gone_names(path: str, old_upstream: str, new_upstream: str) -> set[str]:
     return code_names(path, old_upstream.split("\n")) - code_names(path, new_upstream.split("\n"))
 
 
-def check_names(path: str, lines: Sequence[str], gone: set[str]) -> None:
-    """Unresolvable when the code of a region placed in upstream's new text names what it lost."""
+def check_names(path: str, lines: Sequence[str], gone: set[str],
+                known: Callable[[str], bool] | None = None) -> None:
+    """Unresolvable when the code of a region placed in upstream's new text names what it lost (and,
+    with ``known``, what the new tree does not have anywhere)."""
     content = [ln for ln in lines if parse_marker(ln) is None]
-    hits = sorted(code_names(path, content) & gone)
+    hits = [h for h in sorted(code_names(path, content) & gone) if known is None or not known(h)]
     if hits:
         shown = ", ".join(repr(h) for h in hits[:3])
         raise Unresolvable(f"our region names {shown}, which upstream's new file does not have (a port)")
@@ -404,8 +408,8 @@ def _place(placers: Sequence[tuple[str, Placer]], block: Block, ch: Change, lo: 
     raise Unresolvable("; ".join(why))
 
 
-def resolve_block(block: Block, path: str = "",
-                  gone: set[str] | None = None) -> tuple[list[str], list[str], str]:
+def resolve_block(block: Block, path: str = "", gone: set[str] | None = None,
+                  known: Callable[[str], bool] | None = None) -> tuple[list[str], list[str], str]:
     """(resolved lines, rule names, detail) of a block; Unresolvable when no rule applies, or when a
     placed region names one of ``gone`` (identifiers upstream's new file lost)."""
     changes = our_changes(block)
@@ -425,7 +429,7 @@ def resolve_block(block: Block, path: str = "",
                        ("marker-region-line-merge", rule_line_merge))
         name, (a, b, new, detail) = _place(placers, block, ch, lo, drift)
         if gone:
-            check_names(path, new, gone)
+            check_names(path, new, gone, known)
         if a < lo:
             raise Unresolvable("our changes land out of order in upstream's new text")
         edits.append((a, b, new))
@@ -436,8 +440,8 @@ def resolve_block(block: Block, path: str = "",
     return _splice(out, edits), rules, "; ".join(details)
 
 
-def resolve_text(path: str, text: str, old_upstream: str | None = None,
-                 new_upstream: str | None = None) -> FileResolution:
+def resolve_text(path: str, text: str, old_upstream: str | None = None, new_upstream: str | None = None,
+                 known: Callable[[str], bool] | None = None) -> FileResolution:
     """Resolve what the rules can of a diff3-style merged file; the rest stays as it was. With both
     upstream versions of the file, a region that names what the new one lost is left (``check_names``)."""
     both = old_upstream is not None and new_upstream is not None
@@ -450,7 +454,7 @@ def resolve_text(path: str, text: str, old_upstream: str | None = None,
     for block in blocks:
         out += lines[at:block.start]
         try:
-            new, rules, detail = resolve_block(block, path, gone)
+            new, rules, detail = resolve_block(block, path, gone, known)
         except Unresolvable as exc:
             first = len(out) + 1
             out += lines[block.start:block.end]
@@ -466,9 +470,10 @@ def resolve_text(path: str, text: str, old_upstream: str | None = None,
     return result
 
 
-def resolve_conflicts(path: str, text: str, old_upstream: str | None = None, new_upstream: str | None = None
+def resolve_conflicts(path: str, text: str, old_upstream: str | None = None, new_upstream: str | None = None,
+                      known: Callable[[str], bool] | None = None
                       ) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     """The resolver ``rebase`` and ``apply --3way`` take (``stack.apply.Resolver``)."""
-    result = resolve_text(path, text, old_upstream, new_upstream)
+    result = resolve_text(path, text, old_upstream, new_upstream, known)
     data = result.as_dict()
     return result.text, data["resolved"], data["left"]
