@@ -281,3 +281,47 @@ def test_a_name_the_new_file_lost_but_the_new_tree_has_still_counts_as_there() -
     result = resolve_text("f.c", text, old_up, new_up, known=lambda name: name == "int32_t")
     assert "'lost_member'" in result.left[0].why and "int32_t" not in result.left[0].why
     assert resolve_text("f.c", text, old_up, new_up, known=lambda name: True).resolved
+
+
+MOVED = """# CMake
+<<<<<<< ours
+||||||| base
+set(CORE_SOURCES
+    a.cpp
+    b.cpp
+)
+=======
+set(CORE_SOURCES
+    a.cpp
+    # UPSTREAM_SYNC(sparse-attn): begin
+    ours.cpp
+    # UPSTREAM_SYNC(sparse-attn): end
+    b.cpp
+)
+>>>>>>> theirs
+add_library(core
+            a.cpp
+            b.cpp
+)
+"""
+
+
+def test_region_in_a_list_upstream_moved_goes_where_the_list_now_is() -> None:
+    """The real 0.3.35/0.3.33/0.3.32 case: upstream has no set(LLAMA_CORE_SOURCES ...); its sources are
+    listed in add_library(llama ...): our source line goes between the same neighbours there."""
+    result = resolve_text("CMakeLists.txt", MOVED)
+    assert not result.left, result.left
+    pad = " " * 12
+    assert result.text.split("\n") == ["# CMake", "add_library(core", pad + "a.cpp",
+                                       pad + "# UPSTREAM_SYNC(sparse-attn): begin", pad + "ours.cpp",
+                                       pad + "# UPSTREAM_SYNC(sparse-attn): end", pad + "b.cpp", ")", ""]
+    assert [(r.lines, r.rules) for r in result.resolved] == [("4-6", ["marker-region-moved"])]
+
+
+def test_moved_neighbours_found_twice_or_apart_stay_a_conflict() -> None:
+    twice = MOVED + "add_library(other\n    a.cpp\n    b.cpp\n)\n"
+    assert resolve_text("CMakeLists.txt", twice).left
+    pad = " " * 12
+    apart = MOVED.replace(f"{pad}a.cpp\n{pad}b.cpp", f"{pad}a.cpp\n{pad}x.cpp\n{pad}b.cpp")
+    result = resolve_text("CMakeLists.txt", apart)
+    assert result.text == apart and result.left

@@ -20,6 +20,10 @@ and each change finds its place in upstream's new text (ours):
 - ``marker-region-line-merge``: a region that replaced one base line upstream edited too (a call site
   our patch extends by an argument) gets upstream's new line with our token edits merged in, when the
   two edits are apart (not the same nor adjacent tokens);
+- ``marker-region-moved``: a region inserted between two upstream lines that upstream moved out of the
+  block (a source list upstream dropped here and lists elsewhere: ``set(LLAMA_CORE_SOURCES ...)`` ->
+  ``add_library(llama ...)``) goes between the same two lines where they now stand adjacent, exactly once
+  in the file outside any conflict block, re-indented like them; the block takes upstream's text;
 - ``count``: a region (or a bare line) that replaced a count line replaces upstream's new count line,
   its numbers recomputed: upstream's number plus what our patch added (``static_assert(GGML_OP_COUNT
   == 101)`` -> ``103`` on a base where upstream has ``102`` becomes ``104``).
@@ -440,6 +444,32 @@ def resolve_block(block: Block, path: str = "", gone: set[str] | None = None,
     return _splice(out, edits), rules, "; ".join(details)
 
 
+def _indent(line: str) -> str:
+    return line[:len(line) - len(line.lstrip())]
+
+
+def relocate_block(block: Block, lines: Sequence[str], outside: Sequence[bool]) -> tuple[int, list[str], str]:
+    """``marker-region-moved``: (index of the line the region goes after, the region re-indented,
+    detail) for a block whose one change is a region inserted between two upstream lines that stand
+    adjacent exactly once in the file outside the conflict blocks; Unresolvable otherwise."""
+    changes = our_changes(block)
+    if len(changes) != 1 or changes[0].i1 != changes[0].i2 or not 0 < changes[0].i1 < len(block.base):
+        raise Unresolvable("not one region between two upstream lines")
+    ch = changes[0]
+    prev, nxt = block.base[ch.i1 - 1], block.base[ch.i1]
+    if not prev.strip() or not nxt.strip():
+        raise Unresolvable("a neighbour of the region is a blank line")
+    hits = [k for k in range(len(lines) - 1) if outside[k] and outside[k + 1]
+            and lines[k].strip() == prev.strip() and lines[k + 1].strip() == nxt.strip()]
+    if len(hits) != 1:
+        raise Unresolvable(f"{prev.strip()!r} then {nxt.strip()!r} stand together {len(hits)} time(s) "
+                           "outside the conflict blocks")
+    k = hits[0]
+    old, new = _indent(prev), _indent(lines[k])
+    region = [new + ln[len(old):] if ln.startswith(old) else ln for ln in ch.new]
+    return k, region, f"between {prev.strip()!r} and {nxt.strip()!r}, where upstream moved them"
+
+
 def resolve_text(path: str, text: str, old_upstream: str | None = None, new_upstream: str | None = None,
                  known: Callable[[str], bool] | None = None) -> FileResolution:
     """Resolve what the rules can of a diff3-style merged file; the rest stays as it was. With both
@@ -448,24 +478,55 @@ def resolve_text(path: str, text: str, old_upstream: str | None = None, new_upst
     gone = gone_names(path, old_upstream or "", new_upstream or "") if both else set()
     lines = text.split("\n")
     blocks = parse_blocks(lines)
+    outside = [True] * len(lines)
+    for block in blocks:
+        outside[block.start:block.end] = [False] * (block.end - block.start)
+    # first pass: each block resolved in place, or by moving its region out (marker-region-moved)
+    done: list[tuple[list[str], list[str], str] | Unresolvable] = []
+    moved: dict[int, tuple[list[str], str]] = {}  # line index -> (region after it, detail)
+    for block in blocks:
+        try:
+            done.append(resolve_block(block, path, gone, known))
+        except Unresolvable as exc:
+            try:
+                k, region, detail = relocate_block(block, lines, outside)
+                if k in moved:
+                    raise Unresolvable("two regions move to the same place")
+                if gone:
+                    check_names(path, region, gone, known)
+            except Unresolvable:
+                done.append(exc)
+            else:
+                moved[k] = (region, detail)
+                done.append((list(block.ours), ["marker-region-moved"], detail))
     out: list[str] = []
     result = FileResolution("")
+
+    def copy(a: int, b: int) -> None:
+        for k in range(a, b):
+            out.append(lines[k])
+            if k in moved:
+                region, detail = moved[k]
+                out.extend(region)
+                result.resolved.append(Resolved(path, f"{len(out) - len(region) + 1}-{len(out)}",
+                                                ["marker-region-moved"], detail))
+
     at = 0
-    for block in blocks:
-        out += lines[at:block.start]
-        try:
-            new, rules, detail = resolve_block(block, path, gone, known)
-        except Unresolvable as exc:
-            first = len(out) + 1
+    for block, outcome in zip(blocks, done, strict=True):
+        copy(at, block.start)
+        first = len(out) + 1
+        if isinstance(outcome, Unresolvable):
             out += lines[block.start:block.end]
-            result.left.append(Left(path, f"{first}-{len(out)}", str(exc)))
+            result.left.append(Left(path, f"{first}-{len(out)}", str(outcome)))
         else:
-            first = len(out) + 1
+            new, rules, detail = outcome
             out += new
-            span = f"{first}-{len(out)}" if new else f"{first}"
-            result.resolved.append(Resolved(path, span, rules, detail))
+            if rules != ["marker-region-moved"]:  # a moved region is listed where it went
+                span = f"{first}-{len(out)}" if new else f"{first}"
+                result.resolved.append(Resolved(path, span, rules, detail))
         at = block.end
-    out += lines[at:]
+    copy(at, len(lines))
+    result.resolved.sort(key=lambda r: int(r.lines.split("-")[0]))
     result.text = "\n".join(out)
     return result
 
