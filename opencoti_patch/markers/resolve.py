@@ -478,9 +478,8 @@ def resolve_text(path: str, text: str, old_upstream: str | None = None, new_upst
     gone = gone_names(path, old_upstream or "", new_upstream or "") if both else set()
     lines = text.split("\n")
     blocks = parse_blocks(lines)
-    outside = [True] * len(lines)
-    for block in blocks:
-        outside[block.start:block.end] = [False] * (block.end - block.start)
+    in_blocks = {k for block in blocks for k in range(block.start, block.end)}
+    outside = [k not in in_blocks for k in range(len(lines))]
     # first pass: each block resolved in place, or by moving its region out (marker-region-moved)
     done: list[tuple[list[str], list[str], str] | Unresolvable] = []
     moved: dict[int, tuple[list[str], str]] = {}  # line index -> (region after it, detail)
