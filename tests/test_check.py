@@ -19,7 +19,10 @@ CMAKE = """# UPSTREAM_SYNC(tiny): file
 cmake_minimum_required(VERSION 3.14)
 project(tiny C)
 set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
-add_executable(tiny-test t.c)
+# like llama.cpp's tests that link the CPU backend: defined only without dynamically loaded backends
+if (NOT GGML_BACKEND_DL)
+    add_executable(tiny-test t.c)
+endif()
 """
 
 
@@ -71,6 +74,31 @@ def test_check_catches_the_broken_middle_patch(project: Project, monkeypatch: py
     text = (project.patches / "0002-broken.patch").read_text().replace(
         "+int main(void) { return 1; /* broken */ }", "+int main(void) { return 0; /* fixed */ }")
     (project.patches / "0002-broken.patch").write_text(text)
+    result = project.run("check", "--targets", "tiny-test", "--check-root", str(root), "--no-progress")
+    assert "ok      0002-broken.patch  (tiny-test: ok)" in result.stdout
+    assert "ok      0003-third.patch  (no Test: line)" in result.stdout
+
+
+@pytest.mark.skipif(not shutil.which("cc"), reason="no C compiler")
+def test_check_of_a_broken_copy_in_another_patches_dir(project: Project, monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    """`check --patches-dir DIR` checks a copy of the series (a scratch folder) against the same pristine
+    tree: the copy's broken middle patch is caught at that patch, the project's own series still passes."""
+    monkeypatch.setenv("PATH", path_without_ccache(tmp_path))
+    series_with_a_broken_middle(project)
+    scratch = tmp_path / "scratch-patches"
+    shutil.copytree(project.patches, scratch)
+    own = project.patches / "0002-broken.patch"
+    own.write_text(own.read_text().replace("+int main(void) { return 1; /* broken */ }",
+                                           "+int main(void) { return 0; /* fixed */ }"))
+    root = tmp_path / "check"
+    result = project.run("check", "--patches-dir", str(scratch), "--targets", "tiny-test", "--check-root",
+                         str(root), "--json", "--no-progress", code=4)
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    assert data["failed_at"] == "0002-broken.patch"
+    assert [(s["patch"], s["ok"]) for s in data["steps"]] == [("0001-tiny.patch", True),
+                                                               ("0002-broken.patch", False)]
+    assert "0003-third.patch" not in result.stderr  # the patch after it is neither run nor blamed
     result = project.run("check", "--targets", "tiny-test", "--check-root", str(root), "--no-progress")
     assert "ok      0002-broken.patch  (tiny-test: ok)" in result.stdout
     assert "ok      0003-third.patch  (no Test: line)" in result.stdout

@@ -248,3 +248,80 @@ def test_line_merge_of_a_region_replacing_several_lines_stays_a_conflict() -> No
     text = conflict(["f(1);", "g(1);"], ["f();", "g();"], [BEGIN, "f(s);", "g(s);", END])
     result = resolve_text("f.c", text)
     assert result.text == text and result.left
+
+
+def test_region_naming_what_the_new_upstream_file_lost_stays_a_conflict() -> None:
+    """The real 0.3.35 case (llama-context.cpp): our region sits at the right anchor, but its code
+    resets ``gf_res_prev_active``, a member the old upstream file has and the new one has not. With the
+    two upstream files handed over it is left (a port); a region naming only what both have is not."""
+    region = [BEGIN, "    if (mctx && prepare(this)) {", "        gf_res_prev_active = nullptr;", "    }",
+              END]
+    text = conflict(["    auto * res = gf_res_prev.get();"], ["    auto * res = get_gf_res_prev();"],
+                    [*region, "    auto * res = get_gf_res_prev();"])
+    old_up = ("llm_graph_result * gf_res_prev_active = nullptr; // old upstream\n"
+              "auto * res = get_gf_res_prev();\n")
+    new_up = "auto * res = gf_res_prev.get();\nif (mctx && ok) { return; }\n"
+    assert resolve_text("llama-context.cpp", text).resolved  # placed by marker-region without the files
+    result = resolve_text("llama-context.cpp", text, old_up, new_up)
+    assert result.text == text and not result.resolved
+    assert "'gf_res_prev_active'" in result.left[0].why and "a port" in result.left[0].why
+    # names only in comments or strings of the region, or our own new names, do not count
+    region = [BEGIN, "    // was gf_res_prev_active", '    log("gf_res_prev_active");', "    int fresh = 1;",
+              END]
+    text = conflict(["    auto * res = gf_res_prev.get();"], ["    auto * res = get_gf_res_prev();"],
+                    [*region, "    auto * res = get_gf_res_prev();"])
+    assert resolve_text("llama-context.cpp", text, old_up + "log(x);\n", new_up + "log(y);\n").resolved
+
+
+def test_a_name_the_new_file_lost_but_the_new_tree_has_still_counts_as_there() -> None:
+    """The 0.3.33 false alarm: fattn.cu there no longer spells ``int32_t``; the tree does (a header)."""
+    region = [BEGIN, "    const int32_t n = lost_member;", END]
+    text = conflict(["    int b2;"], ["    int b;"], [*region, "    int b;"])
+    old_up, new_up = "int32_t x; int lost_member;\nint b;\n", "int b2;\n"
+    result = resolve_text("f.c", text, old_up, new_up, known=lambda name: name == "int32_t")
+    assert "'lost_member'" in result.left[0].why and "int32_t" not in result.left[0].why
+    assert resolve_text("f.c", text, old_up, new_up, known=lambda name: True).resolved
+
+
+MOVED = """# CMake
+<<<<<<< ours
+||||||| base
+set(CORE_SOURCES
+    a.cpp
+    b.cpp
+)
+=======
+set(CORE_SOURCES
+    a.cpp
+    # UPSTREAM_SYNC(sparse-attn): begin
+    ours.cpp
+    # UPSTREAM_SYNC(sparse-attn): end
+    b.cpp
+)
+>>>>>>> theirs
+add_library(core
+            a.cpp
+            b.cpp
+)
+"""
+
+
+def test_region_in_a_list_upstream_moved_goes_where_the_list_now_is() -> None:
+    """The real 0.3.35/0.3.33/0.3.32 case: upstream has no set(LLAMA_CORE_SOURCES ...); its sources are
+    listed in add_library(llama ...): our source line goes between the same neighbours there."""
+    result = resolve_text("CMakeLists.txt", MOVED)
+    assert not result.left, result.left
+    pad = " " * 12
+    assert result.text.split("\n") == ["# CMake", "add_library(core", pad + "a.cpp",
+                                       pad + "# UPSTREAM_SYNC(sparse-attn): begin", pad + "ours.cpp",
+                                       pad + "# UPSTREAM_SYNC(sparse-attn): end", pad + "b.cpp", ")", ""]
+    assert [(r.lines, r.rules) for r in result.resolved] == [("4-6", ["marker-region-moved"])]
+
+
+def test_moved_neighbours_found_twice_or_apart_stay_a_conflict() -> None:
+    twice = MOVED + "add_library(other\n    a.cpp\n    b.cpp\n)\n"
+    assert resolve_text("CMakeLists.txt", twice).left
+    pad = " " * 12
+    apart = MOVED.replace(f"{pad}a.cpp\n{pad}b.cpp", f"{pad}a.cpp\n{pad}x.cpp\n{pad}b.cpp")
+    result = resolve_text("CMakeLists.txt", apart)
+    assert result.text == apart and result.left

@@ -25,6 +25,10 @@ from .builder import BuildOptions, configure_and_build, export_tree
 
 MARKERS = "markers"
 OUTPUT_TAIL = 2000
+# The checks run tests that link the CPU backend directly (test-sparse-attn, test-backend-ops' CPU
+# cases): llama.cpp defines those targets only without dynamically loaded backends, as the optests
+# stage of ci/rebuild.sh builds them. A --cmake-arg of the caller comes after it and wins.
+CHECK_CMAKE = ("-DGGML_BACKEND_DL=OFF",)
 
 
 @dataclass

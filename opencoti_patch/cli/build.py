@@ -20,7 +20,7 @@ from ..build.builder import (
     have_gpu,
     rebuild,
 )
-from ..build.check import check_series
+from ..build.check import CHECK_CMAKE, check_series
 from ..build.identical import VerifyConfig, raise_on_failure, verify_identical
 from ..build.workflow import WORKFLOW_OUT, write_workflow
 from ..config import Settings
@@ -272,7 +272,7 @@ def check_cmd(ctx: click.Context, settings: Settings, targets: tuple[str, ...], 
     patches = load_series(settings.patches_dir)
     opts = BuildOptions(targets=_targets(targets, LIB_TARGETS[:4]), optional_targets=(), cuda=bool(cuda),
                         cuda_arch=cuda_arch, cpu_variant=cpu_variant, ccache=not no_ccache, jobs=jobs,
-                        extra_cmake=cmake_args)
+                        extra_cmake=(*CHECK_CMAKE, *cmake_args))
     root = (check_root or settings.work_dir / "check").resolve()
     with tree_lock(settings):
         report = check_series(settings.tree, tree.tag, patches, root, opts, pin=tree.pin, timeout=timeout,

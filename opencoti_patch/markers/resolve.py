@@ -20,12 +20,23 @@ and each change finds its place in upstream's new text (ours):
 - ``marker-region-line-merge``: a region that replaced one base line upstream edited too (a call site
   our patch extends by an argument) gets upstream's new line with our token edits merged in, when the
   two edits are apart (not the same nor adjacent tokens);
+- ``marker-region-moved``: a region inserted between two upstream lines that upstream moved out of the
+  block (a source list upstream dropped here and lists elsewhere: ``set(LLAMA_CORE_SOURCES ...)`` ->
+  ``add_library(llama ...)``) goes between the same two lines where they now stand adjacent, exactly once
+  in the file outside any conflict block, re-indented like them; the block takes upstream's text;
 - ``count``: a region (or a bare line) that replaced a count line replaces upstream's new count line,
   its numbers recomputed: upstream's number plus what our patch added (``static_assert(GGML_OP_COUNT
   == 101)`` -> ``103`` on a base where upstream has ``102`` becomes ``104``).
 
 Anything else (a change outside any region, base lines upstream changed too, an anchor not found or
 found twice in the wrong order) leaves the block as it was, conflict markers and all.
+
+Placed right is not yet correct: a region whose code names something the old upstream file has and
+the new one has not (``use_kv_cur`` in ``build_attn``, ``gf_res_prev_active`` in ``llama-context.cpp``:
+the region was written against code upstream does not have there) is left too (``gone_names``), when
+the caller hands over the two upstream versions of the file (``rebase`` does): that is a port. A name
+the new file lost but the new tree still has (``int32_t``, a ggml API function) does not count, when
+the caller also says which names the new tree knows (``rebase``: ``git grep`` of its HEAD).
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..stack.hunks import find_nearest
-from .syntax import parse_marker
+from .syntax import comment_prefix, parse_marker
 
 OURS, BASE, SEP, THEIRS = "<<<<<<< ", "||||||| ", "=======", ">>>>>>> "
 
@@ -47,6 +58,8 @@ COUNT_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("rpc-proto-version", re.compile(r"^\s*#\s*define\s+RPC_PROTO_\w+_VERSION\s+\d+\s*$")),
 )
 NUMBER_RE = re.compile(r"\d+")
+NAME_RE = re.compile(r"[A-Za-z_]\w*")
+STRING_RE = re.compile(r'"(?:\\.|[^"\\])*"')
 
 
 @dataclass
@@ -146,6 +159,37 @@ def marked_mask(lines: Sequence[str], open_before: bool = False) -> list[bool]:
         else:
             mask.append(inside)
     return mask
+
+
+# -- names -------------------------------------------------------------------------------------
+
+
+def code_names(path: str, lines: Sequence[str]) -> set[str]:
+    """The identifiers in the code of ``lines`` (string literals and line comments left out)."""
+    prefix = comment_prefix(path)
+    names: set[str] = set()
+    for ln in lines:
+        code = STRING_RE.sub('""', ln)
+        if prefix:
+            code = code.split(prefix, 1)[0]
+        names.update(NAME_RE.findall(code))
+    return names
+
+
+def gone_names(path: str, old_upstream: str, new_upstream: str) -> set[str]:
+    """Identifiers the old upstream file has and the new one has not."""
+    return code_names(path, old_upstream.split("\n")) - code_names(path, new_upstream.split("\n"))
+
+
+def check_names(path: str, lines: Sequence[str], gone: set[str],
+                known: Callable[[str], bool] | None = None) -> None:
+    """Unresolvable when the code of a region placed in upstream's new text names what it lost (and,
+    with ``known``, what the new tree does not have anywhere)."""
+    content = [ln for ln in lines if parse_marker(ln) is None]
+    hits = [h for h in sorted(code_names(path, content) & gone) if known is None or not known(h)]
+    if hits:
+        shown = ", ".join(repr(h) for h in hits[:3])
+        raise Unresolvable(f"our region names {shown}, which upstream's new file does not have (a port)")
 
 
 # -- rules -------------------------------------------------------------------------------------
@@ -368,8 +412,10 @@ def _place(placers: Sequence[tuple[str, Placer]], block: Block, ch: Change, lo: 
     raise Unresolvable("; ".join(why))
 
 
-def resolve_block(block: Block) -> tuple[list[str], list[str], str]:
-    """(resolved lines, rule names, detail) of a block; Unresolvable when no rule applies."""
+def resolve_block(block: Block, path: str = "", gone: set[str] | None = None,
+                  known: Callable[[str], bool] | None = None) -> tuple[list[str], list[str], str]:
+    """(resolved lines, rule names, detail) of a block; Unresolvable when no rule applies, or when a
+    placed region names one of ``gone`` (identifiers upstream's new file lost)."""
     changes = our_changes(block)
     if not changes:
         return list(block.ours), ["upstream-only"], "our patch changes nothing here"
@@ -386,6 +432,8 @@ def resolve_block(block: Block) -> tuple[list[str], list[str], str]:
             placers = (("marker-region-replace", rule_region_replace), ("count", rule_count),
                        ("marker-region-line-merge", rule_line_merge))
         name, (a, b, new, detail) = _place(placers, block, ch, lo, drift)
+        if gone:
+            check_names(path, new, gone, known)
         if a < lo:
             raise Unresolvable("our changes land out of order in upstream's new text")
         edits.append((a, b, new))
@@ -396,34 +444,96 @@ def resolve_block(block: Block) -> tuple[list[str], list[str], str]:
     return _splice(out, edits), rules, "; ".join(details)
 
 
-def resolve_text(path: str, text: str) -> FileResolution:
-    """Resolve what the rules can of a diff3-style merged file; the rest stays as it was."""
+def _indent(line: str) -> str:
+    return line[:len(line) - len(line.lstrip())]
+
+
+def relocate_block(block: Block, lines: Sequence[str], outside: Sequence[bool]) -> tuple[int, list[str], str]:
+    """``marker-region-moved``: (index of the line the region goes after, the region re-indented,
+    detail) for a block whose one change is a region inserted between two upstream lines that stand
+    adjacent exactly once in the file outside the conflict blocks; Unresolvable otherwise."""
+    changes = our_changes(block)
+    if len(changes) != 1 or changes[0].i1 != changes[0].i2 or not 0 < changes[0].i1 < len(block.base):
+        raise Unresolvable("not one region between two upstream lines")
+    ch = changes[0]
+    prev, nxt = block.base[ch.i1 - 1], block.base[ch.i1]
+    if not prev.strip() or not nxt.strip():
+        raise Unresolvable("a neighbour of the region is a blank line")
+    hits = [k for k in range(len(lines) - 1) if outside[k] and outside[k + 1]
+            and lines[k].strip() == prev.strip() and lines[k + 1].strip() == nxt.strip()]
+    if len(hits) != 1:
+        raise Unresolvable(f"{prev.strip()!r} then {nxt.strip()!r} stand together {len(hits)} time(s) "
+                           "outside the conflict blocks")
+    k = hits[0]
+    old, new = _indent(prev), _indent(lines[k])
+    region = [new + ln[len(old):] if ln.startswith(old) else ln for ln in ch.new]
+    return k, region, f"between {prev.strip()!r} and {nxt.strip()!r}, where upstream moved them"
+
+
+def resolve_text(path: str, text: str, old_upstream: str | None = None, new_upstream: str | None = None,
+                 known: Callable[[str], bool] | None = None) -> FileResolution:
+    """Resolve what the rules can of a diff3-style merged file; the rest stays as it was. With both
+    upstream versions of the file, a region that names what the new one lost is left (``check_names``)."""
+    both = old_upstream is not None and new_upstream is not None
+    gone = gone_names(path, old_upstream or "", new_upstream or "") if both else set()
     lines = text.split("\n")
     blocks = parse_blocks(lines)
+    in_blocks = {k for block in blocks for k in range(block.start, block.end)}
+    outside = [k not in in_blocks for k in range(len(lines))]
+    # first pass: each block resolved in place, or by moving its region out (marker-region-moved)
+    done: list[tuple[list[str], list[str], str] | Unresolvable] = []
+    moved: dict[int, tuple[list[str], str]] = {}  # line index -> (region after it, detail)
+    for block in blocks:
+        try:
+            done.append(resolve_block(block, path, gone, known))
+        except Unresolvable as exc:
+            try:
+                k, region, detail = relocate_block(block, lines, outside)
+                if k in moved:
+                    raise Unresolvable("two regions move to the same place")
+                if gone:
+                    check_names(path, region, gone, known)
+            except Unresolvable:
+                done.append(exc)
+            else:
+                moved[k] = (region, detail)
+                done.append((list(block.ours), ["marker-region-moved"], detail))
     out: list[str] = []
     result = FileResolution("")
+
+    def copy(a: int, b: int) -> None:
+        for k in range(a, b):
+            out.append(lines[k])
+            if k in moved:
+                region, detail = moved[k]
+                out.extend(region)
+                result.resolved.append(Resolved(path, f"{len(out) - len(region) + 1}-{len(out)}",
+                                                ["marker-region-moved"], detail))
+
     at = 0
-    for block in blocks:
-        out += lines[at:block.start]
-        try:
-            new, rules, detail = resolve_block(block)
-        except Unresolvable as exc:
-            first = len(out) + 1
+    for block, outcome in zip(blocks, done, strict=True):
+        copy(at, block.start)
+        first = len(out) + 1
+        if isinstance(outcome, Unresolvable):
             out += lines[block.start:block.end]
-            result.left.append(Left(path, f"{first}-{len(out)}", str(exc)))
+            result.left.append(Left(path, f"{first}-{len(out)}", str(outcome)))
         else:
-            first = len(out) + 1
+            new, rules, detail = outcome
             out += new
-            span = f"{first}-{len(out)}" if new else f"{first}"
-            result.resolved.append(Resolved(path, span, rules, detail))
+            if rules != ["marker-region-moved"]:  # a moved region is listed where it went
+                span = f"{first}-{len(out)}" if new else f"{first}"
+                result.resolved.append(Resolved(path, span, rules, detail))
         at = block.end
-    out += lines[at:]
+    copy(at, len(lines))
+    result.resolved.sort(key=lambda r: int(r.lines.split("-")[0]))
     result.text = "\n".join(out)
     return result
 
 
-def resolve_conflicts(path: str, text: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+def resolve_conflicts(path: str, text: str, old_upstream: str | None = None, new_upstream: str | None = None,
+                      known: Callable[[str], bool] | None = None
+                      ) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     """The resolver ``rebase`` and ``apply --3way`` take (``stack.apply.Resolver``)."""
-    result = resolve_text(path, text)
+    result = resolve_text(path, text, old_upstream, new_upstream, known)
     data = result.as_dict()
     return result.text, data["resolved"], data["left"]

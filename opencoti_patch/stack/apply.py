@@ -10,6 +10,7 @@ and hunk are named.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import shutil
@@ -33,9 +34,11 @@ AUTO = "auto-resolved"  # 3-way merge conflicted and every conflict block was re
 APPLIED_OK = (CLEAN, MERGED, AUTO)
 
 # A conflict resolver (``markers/resolve.py``, handed down by the CLI): (path, the file merged in
-# diff3 style) -> (the text to write, the blocks it resolved, the blocks left); each block a dict
-# with ``file``, ``lines`` and ``rules`` (resolved) or ``why`` (left).
-Resolver = Callable[[str, str], tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]
+# diff3 style, the old upstream file, the new upstream file, whether the new tree has a name) -> (the
+# text to write, the blocks it resolved, the blocks left); each block a dict with ``file``, ``lines``
+# and ``rules`` (resolved) or ``why`` (left).
+Resolver = Callable[[str, str, str, str, Callable[[str], bool]],
+                    tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]
 APPLIED_RE = re.compile(r"^Applied patch to '(.+)' (cleanly|with conflicts)\.$")
 
 
@@ -133,6 +136,11 @@ def auto_resolve(tree: Tree, files: list[str], resolver: Resolver
     resolved: list[dict[str, Any]] = []
     left: list[dict[str, Any]] = []
     still: list[str] = []
+
+    @functools.cache
+    def known(name: str) -> bool:  # a whole word of a text file of HEAD (the new upstream + patches so far)
+        return tree.git("grep", "-q", "-I", "-w", "-F", "-e", name, "HEAD", "--", check=False).rc == 0
+
     with tempfile.TemporaryDirectory(prefix="opencoti-merge-") as tmp:
         for path in files:
             stages = []
@@ -150,7 +158,8 @@ def auto_resolve(tree: Tree, files: list[str], resolver: Resolver
             if r.rc < 0 or not isinstance(r.out, bytes):
                 still.append(path)
                 continue
-            text, done, rest = resolver(path, r.out.decode("utf-8", "surrogateescape"))
+            ours, base = (st.read_bytes().decode("utf-8", "surrogateescape") for st in stages[:2])
+            text, done, rest = resolver(path, r.out.decode("utf-8", "surrogateescape"), base, ours, known)
             (tree.path / path).write_bytes(text.encode("utf-8", "surrogateescape"))
             resolved += done
             left += rest
