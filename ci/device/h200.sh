@@ -15,7 +15,7 @@
 # `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch bench pack --rev upstream/<pin>
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
-# Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all
+# Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all, serving
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072)
 set -u
 ROOT=$(pwd)
@@ -158,6 +158,7 @@ start() {
             bench bench-q8 "$M8B" -r 2 -ctk q8_0 -ctv q8_0 -d 32768,131072 -sa 0,1 -sak 32 ;;
         bench-14b)
             bench bench-14b "$M14B" -r 2 -d 32768,131072 -sa 0,1 -sak 32 ;;
+        serving) run_stage serving env BIN="$BIN" M8B="$M8B" LOG="$LOG" BUILD="$BUILD" NGL=$NGL ROOT="$ROOT" bash ci/device/serving.sh ;;
         *) echo "unknown stage $s" >> "$LOG/status" ;;
         esac
     done
