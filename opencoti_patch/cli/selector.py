@@ -390,12 +390,15 @@ def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None
 @click.option("--tolerance", type=int, default=1, show_default=True,
               help="Answers the concurrent pass may lose against the sequential one (rounding of other "
                    "ubatch shapes moves a borderline answer, dense included).")
+@click.option("--cache-prompt/--no-cache-prompt", default=True, show_default=True,
+              help="Let a request reuse its slot's cached prompt (the samples share a filler up to each "
+                   "needle).")
 @click.option("--server-args", default="-kvu", show_default=True,
               help="Extra llama-server arguments for every variant (default: unified slots).")
 def served_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
                    seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, n_ctx: int,
                    count: int, share: float, parallel: int, n_predict: int, tolerance: int,
-                   server_args: str) -> None:
+                   cache_prompt: bool, server_args: str) -> None:
     """The passkey set through llama-server, one request at a time vs --parallel at a time, dense/sparse."""
     env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
     server = ServerConfig(binary=env.bin / "llama-server", model=env.model, args=shlex.split(server_args),
@@ -405,7 +408,7 @@ def served_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
     variants = served.default_variants(n_ctx, share)
     res = served.run(server, variants, env.paragraphs, default_transport(), n_ctx=n_ctx, count=count,
                      seed=seed, n_predict=n_predict, concurrency=parallel, tolerance=tolerance,
-                     log_dir=env.work / "served", progress=info)
+                     log_dir=env.work / "served", cache_prompt=cache_prompt, progress=info)
     data = {"command": _command(), **env.meta(), **served.public(res, server)}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_report(out_dir / f"{name}.json", json.dumps(data, indent=1, sort_keys=True) + "\n")

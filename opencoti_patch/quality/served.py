@@ -61,12 +61,15 @@ class Prompt:
 
 
 def build_prompts(paragraphs: list[str], tokenize: Callable[[str], int], *, n_ctx: int, count: int, seed: int,
-                  n_predict: int, per_doc: int = 5) -> list[Prompt]:
+                  n_predict: int, per_doc: int = 25) -> list[Prompt]:
     """``count`` passkey prompts that fit ``n_ctx`` with ``n_predict`` generated tokens (fitted with the
-    server's tokenizer)."""
+    server's tokenizer). Groups of ``per_doc`` share one filler; within a group the deepest needle comes
+    first, so that a prompt shares its text up to its own needle with every prompt before it (a slot's cached
+    prompt is reused up to there)."""
     probe = take_text(paragraphs, 0, min(40_000, sum(map(len, paragraphs)) // 2))
     cpt = len(probe) / tokenize(probe)
-    samples = make_samples(seed, n_ctx, count, len(paragraphs), per_doc=per_doc)
+    samples = sorted(make_samples(seed, n_ctx, count, len(paragraphs), per_doc=per_doc),
+                     key=lambda s: (s.doc, -s.depth))
     limit = n_ctx - n_predict - 8
     scale = 0.96
     while True:
@@ -78,9 +81,9 @@ def build_prompts(paragraphs: list[str], tokenize: Callable[[str], int], *, n_ct
         scale *= 0.97
 
 
-def _complete(transport: Transport, base_url: str, prompt: Prompt, n_predict: int,
-              timeout: float) -> dict[str, Any]:
-    body = {"prompt": prompt.text, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
+def _complete(transport: Transport, base_url: str, prompt: Prompt, n_predict: int, timeout: float,
+              cache_prompt: bool) -> dict[str, Any]:
+    body = {"prompt": prompt.text, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": cache_prompt,
             "seed": 0, "stream": False}
     t0 = time.monotonic()
     status, data = transport.post(base_url + "/completion", body, timeout)
@@ -94,14 +97,15 @@ def _complete(transport: Transport, base_url: str, prompt: Prompt, n_predict: in
 
 
 def serve_mode(transport: Transport, base_url: str, prompts: Sequence[Prompt], *, concurrency: int,
-               n_predict: int, timeout: float = 1800.0, progress: Callable[[str], None] | None = None,
-               label: str = "") -> list[dict[str, Any]]:
+               n_predict: int, cache_prompt: bool = True, timeout: float = 1800.0,
+               progress: Callable[[str], None] | None = None, label: str = "") -> list[dict[str, Any]]:
     """Every prompt once: groups of ``concurrency`` requests sent together (1: one at a time)."""
     out: list[dict[str, Any]] = []
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for g in range(0, len(prompts), concurrency):
             group = prompts[g:g + concurrency]
-            out += list(pool.map(lambda p: _complete(transport, base_url, p, n_predict, timeout), group))
+            out += list(pool.map(
+                lambda p: _complete(transport, base_url, p, n_predict, timeout, cache_prompt), group))
             if progress is not None:
                 progress(f"{label}: {len(out)}/{len(prompts)}")
     return out
@@ -141,7 +145,7 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]], prompts: Sequ
 
 def run(server: ServerConfig, variants: Sequence[ServedVariant], paragraphs: list[str], transport: Transport,
         *, n_ctx: int, count: int, seed: int, n_predict: int, concurrency: int, tolerance: int, log_dir: Path,
-        progress: Callable[[str], None] = print) -> dict[str, Any]:
+        cache_prompt: bool = True, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Each variant: one server, the passkey set served one at a time, then ``concurrency`` at a time."""
     t0 = time.monotonic()
     prompts: list[Prompt] | None = None
@@ -161,7 +165,8 @@ def run(server: ServerConfig, variants: Sequence[ServedVariant], paragraphs: lis
             results[v.name] = {}
             for mode, conc in zip(MODES, (1, concurrency), strict=True):
                 results[v.name][mode] = serve_mode(transport, proc.base_url, prompts, concurrency=conc,
-                                                   n_predict=n_predict, progress=progress,
+                                                   n_predict=n_predict, cache_prompt=cache_prompt,
+                                                   progress=progress,
                                                    label=f"{v.name} {mode}")
             alive = proc.healthy()
         finally:
@@ -172,7 +177,7 @@ def run(server: ServerConfig, variants: Sequence[ServedVariant], paragraphs: lis
     assert prompts is not None
     summary = summarize(results, prompts, tolerance)
     return {"kind": "served-passkey", "n_ctx": n_ctx, "samples": count, "seed": seed, "n_predict": n_predict,
-            "concurrency": concurrency, "block": BLOCK, "tolerance": tolerance,
+            "concurrency": concurrency, "block": BLOCK, "tolerance": tolerance, "cache_prompt": cache_prompt,
             "variants": {v.name: list(v.args) for v in variants}, "server_commands": commands,
             "keys": {p.sample.sid: p.sample.key for p in prompts}, "results": results, **summary,
             "seconds": round(time.monotonic() - t0, 1)}
