@@ -15,7 +15,7 @@
 # `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch bench pack --rev upstream/<pin>
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
-# Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all,
+# Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all, serving,
 # quality (ci/device/quality.sh fg: issue 10's selector quality on real prose, Gemma 3 270M), batched4,
 # profile (a kernel timeline of llama-bench at each of PROFILE_DEPTHS, default 131072, dense and sparse, and with
 # PROFILE_PP="off on" of a 32K prompt: kernel-trace.cpp + kernel_profile.py)
@@ -196,6 +196,7 @@ start() {
                 run_stage "batched4-$sa" "$BIN/llama-batched-bench" -m "$M8B" -ngl $NGL -fa on -c 140000 -b 2048 -ub 512 \
                     -npp "${BATCHED4_NPP:-16384,32768}" -ntg 64 -npl 4 --kv-unified --sparse-attn $sa
             done ;;
+        serving) run_stage serving env BIN="$BIN" M8B="$M8B" LOG="$LOG" BUILD="$BUILD" NGL=$NGL ROOT="$ROOT" bash ci/device/serving.sh ;;
         *) echo "unknown stage $s" >> "$LOG/status" ;;
         esac
     done

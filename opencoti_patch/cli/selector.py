@@ -1,9 +1,11 @@
-"""Click commands ``selector recall|passkey|fidelity``: the block selector judged on real prose.
+"""Click commands ``selector recall|passkey|fidelity|served``: the block selector judged on real prose.
 
 Logic in :mod:`opencoti_patch.quality.recall` (attention mass kept, from Q/K dumps) and
 :mod:`opencoti_patch.quality.needle`
 (passkey and fidelity through the real decode path, every variant from one dense prefill). Results merge into
-one JSON + Markdown report (``<out-dir>/<name>.json|md``).
+one JSON + Markdown report (``<out-dir>/<name>.json|md``). ``served``
+(:mod:`opencoti_patch.quality.served`): the passkey set through llama-server, one request at a time vs several
+at a time; its own report.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +26,9 @@ import numpy as np
 from ..build.harness import BATCH_EXE, build_harness
 from ..config import Settings, write_report
 from ..errors import OpencotiError
-from ..quality import needle, prose, recall
+from ..quality import needle, prose, recall, served
 from ..quality.evaluate import find_model, parse_samples_spec
+from ..quality.loadtest import ServerConfig, default_transport
 from ..report import info, render
 from ..stack.upstream import sha256_file
 from .options import fraction_list, int_list
@@ -74,7 +78,12 @@ _RECENT_HELP = ("Recent window(s): tokens (512) or a share of the attended token
                 "reference oracle (sink + the query's block + the truest-mass blocks).")
 
 
-def _common(f: Any) -> Any:
+def _options(default_name: str) -> Callable[[Any], Any]:
+    """The options every selector command takes; ``--name`` defaults to ``default_name``."""
+    return lambda f: _with_options(f, default_name)
+
+
+def _with_options(f: Any, default_name: str) -> Any:
     for opt in reversed([
         click.option("--build", "build_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
                      help="A CPU build of the patched tree (its bin/ holds libllama and libllama-common)."),
@@ -89,7 +98,7 @@ def _common(f: Any) -> Any:
         click.option("--threads", "-t", type=int, default=2, show_default=True),
         click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
                      default=Path("docs/results"), show_default=True),
-        click.option("--name", default="quality-selector", show_default=True,
+        click.option("--name", default=default_name, show_default=True,
                      help="Report base name: <out-dir>/<name>.json and .md (each command merges its part)."),
         click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
                      help="Scratch (Q/K dumps, logs; default: <work>/selector)."),
@@ -101,6 +110,9 @@ def _common(f: Any) -> Any:
     ]):
         f = opt(f)
     return f
+
+
+_common = _options("quality-selector")
 
 
 class _Env:
@@ -421,6 +433,48 @@ def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None
                               seed=seed, threads=threads, log_dir=env.work / "logs", samples=n_texts,
                               offload=env.offload)
     _save(out_dir, name, "fidelity", {"command": _command(), **res}, env.meta())
+
+
+@selector_group.command("served")
+@_options("serving-passkey")
+@click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True,
+              help="Context of each request (tokens).")
+@click.option("--samples", "count", type=int, default=20, show_default=True, help="Passkey prompts.")
+@click.option("--share", type=float, default=0.5, show_default=True,
+              help="Attended share of the context for the sparse server (sink + recent + top-k blocks).")
+@click.option("--parallel", type=int, default=4, show_default=True,
+              help="Server slots; also the requests in flight of the concurrent pass.")
+@click.option("--n-predict", type=int, default=8, show_default=True)
+@click.option("--tolerance", type=int, default=1, show_default=True,
+              help="Answers the concurrent pass may lose against the sequential one (rounding of other "
+                   "ubatch shapes moves a borderline answer, dense included).")
+@click.option("--cache-prompt/--no-cache-prompt", default=True, show_default=True,
+              help="Let a request reuse its slot's cached prompt (the samples share a filler up to each "
+                   "needle).")
+@click.option("--server-args", default="-kvu", show_default=True,
+              help="Extra llama-server arguments for every variant (default: unified slots).")
+def served_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
+                   seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, n_ctx: int,
+                   count: int, share: float, parallel: int, n_predict: int, tolerance: int,
+                   cache_prompt: bool, server_args: str) -> None:
+    """The passkey set through llama-server, one request at a time vs --parallel at a time, dense/sparse."""
+    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
+    server = ServerConfig(binary=env.bin / "llama-server", model=env.model, args=shlex.split(server_args),
+                          parallel=parallel, ctx=parallel * n_ctx, threads=threads)
+    if not server.binary.is_file():
+        raise click.ClickException(f"{server.binary} not found: build the llama-server target of that build")
+    variants = served.default_variants(n_ctx, share)
+    res = served.run(server, variants, env.paragraphs, default_transport(), n_ctx=n_ctx, count=count,
+                     seed=seed, n_predict=n_predict, concurrency=parallel, tolerance=tolerance,
+                     log_dir=env.work / "served", cache_prompt=cache_prompt, progress=info)
+    data = {"command": _command(), **env.meta(), **served.public(res, server)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_report(out_dir / f"{name}.json", json.dumps(data, indent=1, sort_keys=True) + "\n")
+    md = render(Settings.resolve().templates_dirs, "serving-passkey.md.j2", **data)
+    write_report(out_dir / f"{name}.md", md)
+    info(f"wrote {out_dir / name}.json and .md: {res['verdict']}")
+    if res["failed"]:
+        raise click.ClickException("; ".join(res["failed"]))
 
 
 COMMANDS = [selector_group]

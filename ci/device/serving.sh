@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The serving run of issue 11 on the device: llama-server with sparse attention on vs off, with its default slots
+# (4, unified KV: `--parallel 4 -kvu`, what a plain `llama-server` does) and with `--parallel 4 --no-kv-unified`;
+# 8K-32K prompts on the random 8B model, streamed and not, some streams cancelled. Checks per server (the load
+# driver's, opencoti_patch/quality/loadtest.py): 0 transport errors, 0 HTTP 5xx, valid JSON, attribution, server
+# RSS and GPU memory flat after warm-up, the server alive after the run; sparse vs dense tokens/s reported.
+#
+# Called by ci/device/h200.sh as its `serving` stage (BIN, M8B, LOG, SRC, BUILD, NGL from there), or alone:
+#   BIN=<build>/bin M8B=<model.gguf> LOG=<out dir> bash ci/device/serving.sh
+# It builds the llama-server target into BUILD first when BIN has none (the stage build leaves the server off).
+#
+# SERVING_REQUESTS (default 200) requests per server, SERVING_TIME_LIMIT (default 240) seconds of load per server
+# (no request starts after it; the run then fails all_started: lower the requests), SERVING_LAYOUTS (default
+# "unified perseq"), SERVING_MIN_TOKENS / SERVING_MAX_TOKENS (default 8192 / 32768), SERVING_CTX (total -c,
+# default 4 x 33024), SERVING_NPREDICT (default 32). Results: LOG/serving-<layout>.json|md, server logs in
+# LOG/serving-<layout>/.
+set -u
+ROOT=${ROOT:-$(pwd)}
+: "${BIN:?BIN: the bin folder of the build}" "${M8B:?M8B: the GGUF model}" "${LOG:?LOG: the output folder}"
+NGL=${NGL:-99}
+REQUESTS=${SERVING_REQUESTS:-200}
+TIME_LIMIT=${SERVING_TIME_LIMIT:-240}
+LAYOUTS=${SERVING_LAYOUTS:-unified perseq}
+MIN_TOKENS=${SERVING_MIN_TOKENS:-8192}
+MAX_TOKENS=${SERVING_MAX_TOKENS:-32768}
+CTX=${SERVING_CTX:-$((4 * 33024))}
+NPREDICT=${SERVING_NPREDICT:-32}
+PREFIX=$((MIN_TOKENS - 512)) # a shared prefix for half of the prompts (reused from the slot caches)
+
+if [ ! -x "$BIN/llama-server" ]; then
+    : "${BUILD:?BUILD: the build folder (no llama-server in BIN)}"
+    # the slim tree carries tools/ui; no UI download or build (an offline machine)
+    cmake -B "$BUILD" -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF &&
+        cmake --build "$BUILD" -j "$(nproc)" --target llama-server || exit 1
+fi
+
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+rc=0
+for layout in $LAYOUTS; do
+    case $layout in
+        unified) kv=-kvu ;;
+        perseq)  kv=--no-kv-unified ;;
+        *) echo "unknown layout $layout" >&2; exit 2 ;;
+    esac
+    mkdir -p "$LOG/serving-$layout"
+    # the corpus is this repository's own text (the device has no prose corpus); a random-weight model does not copy
+    # a marker back, so the echo check is off (the foreign-marker check still runs on every answer)
+    (cd "$ROOT" && python3 -m opencoti_patch.quality.loadtest --server "$BIN/llama-server" --model "$M8B" \
+        --server-args="-ngl $NGL $kv" --parallel 4 --ctx "$CTX" --requests "$REQUESTS" --concurrency 8 \
+        --shared-prefix-tokens "$PREFIX" --min-tokens "$MIN_TOKENS" --max-tokens "$MAX_TOKENS" \
+        --n-predict "$NPREDICT" --isolated 2 --time-limit "$TIME_LIMIT" --min-marker-echo 0 \
+        --corpus 'opencoti_patch/**/*.py' --corpus 'docs/**/*.md' --corpus 'tests/*.py' --corpus 'ci/**/*' \
+        --variant dense="--sparse-attn off" --variant sparse="--sparse-attn on" \
+        --compare sparse:dense \
+        --json "$LOG/serving-$layout.json" --markdown "$LOG/serving-$layout.md" --log-dir "$LOG/serving-$layout") ||
+        rc=1
+done
+exit $rc

@@ -1,0 +1,190 @@
+"""Passkey accuracy through llama-server: the same real-prose requests served one at a time and N at a time.
+
+With unified slots (``-kvu``) llama-server decodes the sequences of its busy slots in one ubatch of one KV
+stream; a block selection shared by those sequences (issue 11, point 2: one list per KV head and stream) loses
+answers only when requests overlap. So each variant (its server arguments) starts one server, which answers
+the same passkey set twice: **sequential** (one request in flight) and **concurrent** (``concurrency``
+requests in flight, sent in groups that start together so that their decodes share ubatches). Greedy, a fixed
+number of generated tokens.
+
+The samples are :mod:`opencoti_patch.quality.needle`'s: a 5-digit key in a needle sentence inside real prose
+paragraphs, at a depth past the sink block and before the recent blocks, then a question. The prompts are
+fitted to the context with the server's own tokenizer (``/tokenize``).
+
+Reported per variant and mode: correct answers, agreement with the same variant's sequential answers and with
+the first variant's (dense) answers in the same mode. The verdict compares the modes: the concurrent accuracy
+of every variant must be at least its sequential accuracy minus ``tolerance`` answers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .evaluate import parse_answer
+from .loadtest import LoadTestError, ServerConfig, ServerProcess, Transport, server_tokenizer
+from .needle import BLOCK, Sample, make_samples, sparse_variant
+from .prose import take_text
+
+MODES = ("sequential", "concurrent")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedVariant:
+    """A server configuration: its name and the llama-server arguments that make it."""
+
+    name: str
+    args: tuple[str, ...]
+
+
+def default_variants(n_ctx: int, share: float) -> list[ServedVariant]:
+    """dense, and sparse attending ``share`` of ``n_ctx`` (sink + recent + top-k blocks), selecting from the
+    first decode on (min-ctx 1: the automatic threshold would keep a 4K context dense)."""
+    sv = sparse_variant(n_ctx, round(share * n_ctx), "sparse")
+    c = sv.cfg
+    sparse = ("--sparse-attn", "on", "--sparse-attn-topk", str(c.topk),
+              "--sparse-attn-block-size", str(c.block_size), "--sparse-attn-sink", str(c.sink),
+              "--sparse-attn-recent", str(c.recent), "--sparse-attn-min-ctx", "1")
+    return [ServedVariant("dense", ("--sparse-attn", "off")),
+            ServedVariant(f"sparse-{share * 100:g}%", sparse)]
+
+
+@dataclasses.dataclass
+class Prompt:
+    sample: Sample
+    text: str
+    n_tokens: int
+
+
+def build_prompts(paragraphs: list[str], tokenize: Callable[[str], int], *, n_ctx: int, count: int, seed: int,
+                  n_predict: int, per_doc: int = 25) -> list[Prompt]:
+    """``count`` passkey prompts that fit ``n_ctx`` with ``n_predict`` generated tokens (fitted with the
+    server's tokenizer). Groups of ``per_doc`` share one filler; within a group the deepest needle comes
+    first, so that a prompt shares its text up to its own needle with every prompt before it (a slot's cached
+    prompt is reused up to there)."""
+    probe = take_text(paragraphs, 0, min(40_000, sum(map(len, paragraphs)) // 2))
+    cpt = len(probe) / tokenize(probe)
+    samples = sorted(make_samples(seed, n_ctx, count, len(paragraphs), per_doc=per_doc),
+                     key=lambda s: (s.doc, -s.depth))
+    limit = n_ctx - n_predict - 8
+    scale = 0.96
+    while True:
+        filler_chars = int((n_ctx - 160 - n_predict) * cpt * scale)
+        texts = [s.prompt(paragraphs, filler_chars) for s in samples]
+        out = [Prompt(s, t, tokenize(t)) for s, t in zip(samples, texts, strict=True)]
+        if max(p.n_tokens for p in out) <= limit:
+            return out
+        scale *= 0.97
+
+
+def _complete(transport: Transport, base_url: str, prompt: Prompt, n_predict: int, timeout: float,
+              cache_prompt: bool) -> dict[str, Any]:
+    body = {"prompt": prompt.text, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": cache_prompt,
+            "seed": 0, "stream": False}
+    t0 = time.monotonic()
+    status, data = transport.post(base_url + "/completion", body, timeout)
+    if status != 200:
+        return {"sid": prompt.sample.sid, "error": f"HTTP {status}: {data[:200]!r}"}
+    res = json.loads(data)
+    text = str(res.get("content", ""))
+    ans = parse_answer(text)
+    return {"sid": prompt.sample.sid, "answer": ans, "correct": ans == prompt.sample.key, "text": text,
+            "prompt_tokens": int(res.get("tokens_evaluated", 0)), "seconds": round(time.monotonic() - t0, 2)}
+
+
+def serve_mode(transport: Transport, base_url: str, prompts: Sequence[Prompt], *, concurrency: int,
+               n_predict: int, cache_prompt: bool = True, timeout: float = 1800.0,
+               progress: Callable[[str], None] | None = None, label: str = "") -> list[dict[str, Any]]:
+    """Every prompt once: groups of ``concurrency`` requests sent together (1: one at a time)."""
+    out: list[dict[str, Any]] = []
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for g in range(0, len(prompts), concurrency):
+            group = prompts[g:g + concurrency]
+            out += list(pool.map(
+                lambda p: _complete(transport, base_url, p, n_predict, timeout, cache_prompt), group))
+            if progress is not None:
+                progress(f"{label}: {len(out)}/{len(prompts)}")
+    return out
+
+
+def summarize(results: dict[str, dict[str, list[dict[str, Any]]]], prompts: Sequence[Prompt],
+              tolerance: int) -> dict[str, Any]:
+    """Per variant and mode: correct, errors, agreement with the variant's sequential answers and with the
+    first variant's answers in that mode; checks: no errors, concurrent >= sequential - tolerance."""
+    names = list(results)
+    ref = names[0]
+    answers = {v: {m: {r["sid"]: r.get("answer") for r in results[v][m]} for m in results[v]} for v in names}
+    table: dict[str, Any] = {}
+    failed: list[str] = []
+    for v in names:
+        table[v] = {}
+        for m, rows in results[v].items():
+            errors = [r for r in rows if "error" in r]
+            own, seq, dense = answers[v][m], answers[v]["sequential"], answers[ref][m]
+            table[v][m] = {
+                "correct": sum(bool(r.get("correct")) for r in rows), "requests": len(rows),
+                "errors": len(errors),
+                "agree_sequential": sum(own[s] == seq[s] for s in own),
+                "agree_dense": sum(own[s] == dense.get(s) for s in own),
+                "wrong": sorted(r["sid"] for r in rows if not r.get("correct")),
+            }
+            if errors:
+                failed.append(f"{v} {m}: {len(errors)} request(s) failed")
+        n_seq, conc = table[v]["sequential"]["correct"], table[v]["concurrent"]["correct"]
+        if conc < n_seq - tolerance:
+            failed.append(f"{v}: {conc}/{len(prompts)} correct served concurrently, "
+                          f"{n_seq}/{len(prompts)} one at a time")
+    n_tok = [p.n_tokens for p in prompts]
+    return {"table": table, "failed": failed, "prompt_tokens": [min(n_tok), max(n_tok)],
+            "depths": [round(p.sample.depth, 3) for p in prompts], "verdict": "FAIL" if failed else "PASS"}
+
+
+def run(server: ServerConfig, variants: Sequence[ServedVariant], paragraphs: list[str], transport: Transport,
+        *, n_ctx: int, count: int, seed: int, n_predict: int, concurrency: int, tolerance: int, log_dir: Path,
+        cache_prompt: bool = True, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Each variant: one server, the passkey set served one at a time, then ``concurrency`` at a time."""
+    t0 = time.monotonic()
+    prompts: list[Prompt] | None = None
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    commands: dict[str, list[str]] = {}
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for v in variants:
+        cfg = dataclasses.replace(server, args=list(server.args) + list(v.args),
+                                  log_path=log_dir / f"server-{v.name}.log")
+        proc = ServerProcess(cfg, transport)
+        proc.start()
+        try:
+            commands[v.name] = proc.cmd
+            if prompts is None:
+                prompts = build_prompts(paragraphs, server_tokenizer(transport, proc.base_url), n_ctx=n_ctx,
+                                        count=count, seed=seed, n_predict=n_predict)
+            results[v.name] = {}
+            for mode, conc in zip(MODES, (1, concurrency), strict=True):
+                results[v.name][mode] = serve_mode(transport, proc.base_url, prompts, concurrency=conc,
+                                                   n_predict=n_predict, cache_prompt=cache_prompt,
+                                                   progress=progress,
+                                                   label=f"{v.name} {mode}")
+            alive = proc.healthy()
+        finally:
+            code = proc.stop()
+        if not alive:
+            raise LoadTestError(f"llama-server ({v.name}) died during the run (exit {code}): "
+                                f"{proc.log_tail()[-600:]}")
+    assert prompts is not None
+    summary = summarize(results, prompts, tolerance)
+    return {"kind": "served-passkey", "n_ctx": n_ctx, "samples": count, "seed": seed, "n_predict": n_predict,
+            "concurrency": concurrency, "block": BLOCK, "tolerance": tolerance, "cache_prompt": cache_prompt,
+            "variants": {v.name: list(v.args) for v in variants}, "server_commands": commands,
+            "keys": {p.sample.sid: p.sample.key for p in prompts}, "results": results, **summary,
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+def public(res: dict[str, Any], server: ServerConfig) -> dict[str, Any]:
+    """The result for a report: the server commands with the binary and the model as placeholders."""
+    subst = {str(server.binary): "llama-server", str(server.model): "<model.gguf>"}
+    cmds = {v: " ".join(subst.get(a, a) for a in cmd) for v, cmd in res["server_commands"].items()}
+    return {**res, "server_commands": cmds}

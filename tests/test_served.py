@@ -1,0 +1,86 @@
+"""quality/served.py: the passkey set through llama-server, one at a time vs several at a time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_llama_server import FakeLlamaServer  # noqa: E402
+
+from opencoti_patch.quality import served  # noqa: E402
+from opencoti_patch.quality.loadtest import HttpClientTransport  # noqa: E402
+from opencoti_patch.quality.needle import Sample  # noqa: E402
+
+PARAGRAPHS = [f"Paragraph {i} tells of river number {i} and of the towns along its banks, one after another."
+              for i in range(1000)]
+
+
+def words(text: str) -> int:
+    return len(text.split()) + 1
+
+
+def rows(keys: dict[str, str], right: set[str]) -> list[dict[str, Any]]:
+    return [{"sid": sid, "answer": key if sid in right else "11111", "correct": sid in right}
+            for sid, key in keys.items()]
+
+
+def prompts(n: int) -> list[served.Prompt]:
+    return [served.Prompt(Sample(f"s{i}", 4096, 0, 0.5, f"{10000 + i}", 0, 0), "x", 4000) for i in range(n)]
+
+
+def test_build_prompts_fit_the_context_and_hold_their_key() -> None:
+    out = served.build_prompts(PARAGRAPHS, words, n_ctx=2048, count=6, seed=3, n_predict=8)
+    assert len(out) == 6
+    assert all(p.n_tokens <= 2048 - 8 - 8 and p.sample.key in p.text for p in out)
+    assert max(p.n_tokens for p in out) > 1800  # filled, not trivially short
+
+
+def test_default_variants_select_below_the_block_count() -> None:
+    dense, sparse = served.default_variants(4096, 0.5)
+    assert dense.args == ("--sparse-attn", "off")
+    args = dict(zip(sparse.args[::2], sparse.args[1::2], strict=True))
+    # 4096 tokens = 32 blocks; half attended = 16 blocks: sink 1 + recent 3 (256 tokens and the query's own
+    # block) + top-k 12
+    assert args["--sparse-attn"] == "on" and args["--sparse-attn-topk"] == "12"
+    assert args["--sparse-attn-min-ctx"] == "1"
+
+
+def test_summarize_fails_when_concurrent_loses_answers() -> None:
+    ps = prompts(20)
+    keys = {p.sample.sid: p.sample.key for p in ps}
+    every = set(keys)
+    first9 = set(list(keys)[:9])
+    res = {"dense": {"sequential": rows(keys, every), "concurrent": rows(keys, every)},
+           "sparse": {"sequential": rows(keys, every - {"s0"}), "concurrent": rows(keys, first9)}}
+    out = served.summarize(res, ps, tolerance=1)
+    assert out["verdict"] == "FAIL"
+    assert out["failed"] == ["sparse: 9/20 correct served concurrently, 19/20 one at a time"]
+    assert out["table"]["sparse"]["concurrent"]["agree_dense"] == 9
+    # s1..s8 right in both; s0 and s9..s19 right in one of them only
+    assert out["table"]["sparse"]["concurrent"]["agree_sequential"] == 8
+
+
+def test_summarize_passes_within_tolerance_and_fails_on_errors() -> None:
+    ps = prompts(4)
+    keys = {p.sample.sid: p.sample.key for p in ps}
+    res = {"dense": {"sequential": rows(keys, set(keys)), "concurrent": rows(keys, set(keys) - {"s3"})}}
+    assert served.summarize(res, ps, tolerance=1)["verdict"] == "PASS"
+    assert served.summarize(res, ps, tolerance=0)["verdict"] == "FAIL"
+    res["dense"]["concurrent"][0] = {"sid": "s0", "error": "HTTP 500"}
+    out = served.summarize(res, ps, tolerance=4)
+    assert out["failed"] == ["dense concurrent: 1 request(s) failed"]
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_serve_mode_sends_every_prompt_once(concurrency: int) -> None:
+    ps = served.build_prompts(PARAGRAPHS, words, n_ctx=2048, count=5, seed=1, n_predict=4)
+    with FakeLlamaServer() as fake:
+        out = served.serve_mode(HttpClientTransport(), fake.url, ps, concurrency=concurrency, n_predict=4)
+        assert fake.calls == 5
+    assert sorted(r["sid"] for r in out) == sorted(p.sample.sid for p in ps)
+    assert all("error" not in r and r["correct"] is False for r in out)  # the fake answers words, no key
