@@ -53,6 +53,16 @@ void CUPTIAPI buffer_requested(uint8_t ** buffer, size_t * size, size_t * max_nu
     *max_num_records = 0;
 }
 
+// the fields every activity record kind has under the same names
+template <typename T>
+void set_span(trace_record & r, char kind, const T * a) {
+    r.kind      = kind;
+    r.start     = a->start;
+    r.end       = a->end;
+    r.graph_id  = a->graphId;
+    r.stream_id = a->streamId;
+}
+
 void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t * buffer, size_t, size_t valid_size) {
     std::vector<trace_record> local;
     CUpti_Activity * rec = nullptr;
@@ -62,31 +72,19 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t * buffer, size_t, si
             case CUPTI_ACTIVITY_KIND_KERNEL:
             case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
                 const auto * k = (const CUpti_ActivityKernel10 *) rec;
-                r.kind      = 'K';
-                r.start     = k->start;
-                r.end       = k->end;
-                r.graph_id  = k->graphId;
-                r.stream_id = k->streamId;
+                set_span(r, 'K', k);
                 r.grid[0]   = k->gridX;  r.grid[1]  = k->gridY;  r.grid[2]  = k->gridZ;
                 r.block[0]  = k->blockX; r.block[1] = k->blockY; r.block[2] = k->blockZ;
                 r.name      = k->name ? k->name : "?";
             } break;
             case CUPTI_ACTIVITY_KIND_MEMSET: {
                 const auto * m = (const CUpti_ActivityMemset4 *) rec;
-                r.kind      = 'S';
-                r.start     = m->start;
-                r.end       = m->end;
-                r.graph_id  = m->graphId;
-                r.stream_id = m->streamId;
+                set_span(r, 'S', m);
                 r.name      = "memset:" + std::to_string(m->bytes);
             } break;
             case CUPTI_ACTIVITY_KIND_MEMCPY: {
                 const auto * m = (const CUpti_ActivityMemcpy6 *) rec;
-                r.kind      = 'C';
-                r.start     = m->start;
-                r.end       = m->end;
-                r.graph_id  = m->graphId;
-                r.stream_id = m->streamId;
+                set_span(r, 'C', m);
                 r.name      = "memcpy" + std::to_string((int) m->copyKind) + ":" + std::to_string(m->bytes);
             } break;
             default:
