@@ -17,6 +17,7 @@
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
 # Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all, serving,
 # quality (ci/device/quality.sh fg: issue 10's selector quality on real prose, Gemma 3 270M), batched4,
+# rpc (issue 15: layers split between CUDA0 and a ggml-rpc-server on loopback, ci/device/rpc.sh),
 # profile (a kernel timeline of llama-bench at each of PROFILE_DEPTHS, default 131072, dense and sparse, and with
 # PROFILE_PP="off on" of a 32K prompt: kernel-trace.cpp + kernel_profile.py)
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072)
@@ -54,9 +55,9 @@ build_cuda() {
     command -v ninja >/dev/null && gen=(-G Ninja)
     [ "$CUDA" = 1 ] || cuda=(-DGGML_NATIVE=OFF -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
     cmake -S "$SRC" -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${cuda[@]}" \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_UI=OFF &&
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_UI=OFF -DGGML_RPC=ON &&
     cmake --build "$BUILD" -j "$(nproc)" --target llama-bench llama-batched-bench test-backend-ops \
-        test-sparse-attn-kv ${EXTRA_TARGETS:-}
+        test-sparse-attn-kv ggml-rpc-server ${EXTRA_TARGETS:-}
 }
 
 write_models() {
@@ -196,7 +197,11 @@ start() {
                 run_stage "batched4-$sa" "$BIN/llama-batched-bench" -m "$M8B" -ngl $NGL -fa on -c 140000 -b 2048 -ub 512 \
                     -npp "${BATCHED4_NPP:-16384,32768}" -ntg 64 -npl 4 --kv-unified --sparse-attn $sa
             done ;;
-        serving) run_stage serving env BIN="$BIN" M8B="$M8B" LOG="$LOG" BUILD="$BUILD" NGL=$NGL ROOT="$ROOT" bash ci/device/serving.sh ;;
+        serving) # the load test on the 1B-shaped model when it was written (OPENCOTI_SHAPES has 1b), else the 8B
+            local sm=$M8B; [ -f "$W/m-1b-q4_0.gguf" ] && sm=$W/m-1b-q4_0.gguf
+            run_stage serving env BIN="$BIN" M8B="$sm" LOG="$LOG" BUILD="$BUILD" NGL=$NGL ROOT="$ROOT" bash ci/device/serving.sh ;;
+        rpc) # issue 15 step 1: layers split between CUDA0 and an RPC server on loopback (ci/device/rpc.sh)
+            run_stage rpc env BIN="$BIN" SRC="$SRC" M8B="$M8B" LOG="$LOG" NGL=$NGL ROOT="$ROOT" bash ci/device/rpc.sh ;;
         *) echo "unknown stage $s" >> "$LOG/status" ;;
         esac
     done

@@ -39,6 +39,8 @@ SHAPES: dict[str, LlamaShape] = {
     "8b": LlamaShape(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336),
     # Qwen2.5-14B-Instruct-1M-like attention: 48 layers, 40 heads / 8 KV heads (GQA 5)
     "14b": LlamaShape(n_layer=48, n_embd=5120, n_head=40, n_head_kv=8, n_ff=13824),
+    # 1B-shaped (head dim 128, GQA 4): the serving load test, where prefill time bounds the request count
+    "1b": LlamaShape(n_layer=16, n_embd=2048, n_head=16, n_head_kv=4, n_ff=8192),
     # small model for CPU tests: head dim 128, GQA 4
     "tiny": LlamaShape(n_layer=4, n_embd=1024, n_head=8, n_head_kv=2, n_ff=2048, n_vocab=4096,
                        n_ctx_train=32768),

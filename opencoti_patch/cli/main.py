@@ -8,7 +8,7 @@ import click
 
 from .. import __version__
 from ..errors import OpencotiError
-from . import bench, build, loadtest, markers, pin, quality, selector, stack
+from . import bench, build, loadtest, markers, multidevice, pin, quality, selector, stack
 
 
 class _Failure(click.ClickException):
@@ -37,7 +37,8 @@ def cli() -> None:
 
 
 for _command in (markers.markers_command, *stack.COMMANDS, *pin.COMMANDS, *build.COMMANDS, *quality.COMMANDS,
-                 loadtest.loadtest_command, *bench.COMMANDS, *selector.COMMANDS):
+                 loadtest.loadtest_command, *bench.COMMANDS, *selector.COMMANDS,
+                 *multidevice.COMMANDS):
     cli.add_command(_command)
 
 

@@ -1,0 +1,253 @@
+"""Sparse attention with the layers on two devices: a local one and a llama.cpp RPC server (issue 15).
+
+One harness prompt, decoded in five variants (same prompt, same greedy steps):
+
+- ``local-dense`` / ``local-sparse``: every offloaded layer on the local device(s);
+- ``split-dense`` / ``split-selectall`` / ``split-sparse``: the layers split between the local device and an
+  RPC server on loopback (``ggml-rpc-server``; ``--rpc HOST:PORT`` plus the split arguments, e.g. ``-ngl 2``
+  on a CPU build, where the RPC device is the only offload target, or ``-ngl 99 -ts 1,1`` on a GPU build).
+
+Checks: select-all gives bitwise the dense logits in the split layout (the plumbing is exact across devices);
+sparse decode in the split layout agrees with sparse decode on one device (bitwise where the backends are the
+same code, as on CPU; top-1 and KL reported); the selection really runs (more graph nodes than dense); the
+side-cache of key sums sits on the devices that hold the layers' K (each buffer's side-cache / KV size ratio
+is the same); and the scheduler needs no more graph splits with sparse attention than without (no per-token
+copy of the bounds across devices). The RPC server is started and stopped here, its log kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckFailed, OpencotiError
+from .evaluate import compare_logits
+
+VARIANTS = ("local-dense", "split-dense", "split-selectall", "split-sparse", "local-sparse")
+
+_BUFFER_RE = re.compile(
+    r"^\S+:\s+(\S+) (KV|sparse-attn side-cache|model|compute) buffer size =\s+([\d.]+) MiB", re.M)
+SERVER_EXES = ("ggml-rpc-server", "rpc-server")  # the tool's name in this pin, and in older trees
+_SPLITS_RE = re.compile(r"graph(?: \(pp bs=\d+, tg bs=\d+\))?: nodes = (\d+)(?: / (\d+))?, splits = (\d+)"
+                        r"(?: / (\d+))?")
+
+
+@dataclass(frozen=True)
+class RpcCheckConfig:
+    harness: Path                      # opencoti-harness built against the build (with libllama-common)
+    rpc_server: Path                   # the same build's rpc-server
+    model: Path
+    work: Path
+    split_args: tuple[str, ...]        # how the layers are split between local and RPC (e.g. -ngl 2)
+    local_args: tuple[str, ...]        # the same layers on the local device only (e.g. -ngl 0 / -ngl 99)
+    server_device: str | None = None   # rpc-server -d (e.g. CUDA0); None: its default
+    prompt_tokens: int = 2048
+    decode: int = 16
+    ctx: int = 4096
+    topk: int = 4                      # real selection: blocks kept besides sink and recent
+    threads: int = 2
+    extra: tuple[str, ...] = ()        # more harness flags for every variant (e.g. -ctk q8_0 -ctv q8_0)
+    host: str = "127.0.0.1"
+    port: int = 0                      # 0: a free port
+
+
+@dataclass
+class VariantRun:
+    name: str
+    cmd: list[str]
+    log: Path
+    dump: Path
+    summary: dict[str, Any]
+    buffers: list[dict[str, Any]] = field(default_factory=list)
+    graph: dict[str, int] = field(default_factory=dict)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _accepts(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+@contextlib.contextmanager
+def rpc_server(exe: Path, host: str, port: int, log: Path, device: str | None = None,
+               threads: int | None = None, timeout: float = 120.0) -> Iterator[str]:
+    """Run ``rpc-server`` on HOST:PORT while the block runs; yields the endpoint ``HOST:PORT``.
+
+    Waits until the port accepts (the server prints its devices first), fails with the server's log if it
+    exits or does not listen in ``timeout`` seconds, and stops it afterwards (terminate, then kill)."""
+    if not exe.is_file():
+        raise OpencotiError(f"no RPC server at {exe}: build the tree with -DGGML_RPC=ON "
+                            f"(target {SERVER_EXES[0]})")
+    cmd = [str(exe), "-H", host, "-p", str(port)]
+    if device:
+        cmd += ["-d", device]
+    if threads:
+        cmd += ["-t", str(threads)]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            t0 = time.monotonic()
+            while not _accepts(host, port):
+                if proc.poll() is not None or time.monotonic() - t0 > timeout:
+                    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+                    raise OpencotiError(f"{exe.name} did not start listening on {host}:{port} (log {log}):\n"
+                                        + tail)
+                time.sleep(0.2)
+            yield f"{host}:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def parse_buffers(log_text: str) -> list[dict[str, Any]]:
+    """The buffer lines of a llama.cpp log: model, KV, side-cache and compute buffers by buffer name."""
+    return [{"buffer": m.group(1), "kind": m.group(2), "mib": float(m.group(3))}
+            for m in _BUFFER_RE.finditer(log_text)]
+
+
+def parse_graph(log_text: str) -> dict[str, int]:
+    """Nodes and splits of the reserved graphs (``graph: nodes = N, splits = S`` or the pp / tg pair)."""
+    found = list(_SPLITS_RE.finditer(log_text))
+    if not found:
+        return {}
+    m = found[-1]
+    nodes_pp, nodes_tg, splits_pp, splits_tg = m.groups()
+    return {"nodes_pp": int(nodes_pp), "nodes_tg": int(nodes_tg or nodes_pp),
+            "splits_pp": int(splits_pp), "splits_tg": int(splits_tg or splits_pp)}
+
+
+def variant_args(cfg: RpcCheckConfig, name: str, endpoint: str) -> list[str]:
+    where = [*("--rpc", endpoint), *cfg.split_args] if name.startswith("split-") else list(cfg.local_args)
+    sparse = {
+        "dense": ["--sparse-attn", "off"],
+        # every block selected, selection from the first token on: must be the dense logits bit for bit
+        "selectall": ["--sparse-attn", "on", "--sparse-attn-topk", "100000", "--sparse-attn-min-ctx", "1"],
+        "sparse": ["--sparse-attn", "on", "--sparse-attn-topk", str(cfg.topk), "--sparse-attn-min-ctx", "1"],
+    }[name.split("-", 1)[1]]
+    return [*where, *sparse]
+
+
+def run_variant(cfg: RpcCheckConfig, name: str, endpoint: str) -> VariantRun:
+    out = cfg.work / name
+    out.mkdir(parents=True, exist_ok=True)
+    dump, js, log = out / "logits.f32", out / "run.json", out / "run.log"
+    for p in (dump, js):
+        p.unlink(missing_ok=True)
+    cmd = [str(cfg.harness), "-m", str(cfg.model), "-c", str(cfg.ctx), "-fa", "on", "-t", str(cfg.threads),
+           "--prompt-tokens", str(cfg.prompt_tokens), "--decode", str(cfg.decode), "--seed", "42",
+           "--dump-logits", str(dump), "--json", str(js), "--count-nodes",
+           *cfg.extra, *variant_args(cfg, name, endpoint)]
+    with log.open("w") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode
+    text = log.read_text(errors="replace")
+    if rc != 0 or not js.is_file() or not dump.is_file():
+        tail = "\n".join(text.splitlines()[-20:])
+        raise OpencotiError(f"{name}: the harness failed (rc {rc}, log {log}):\n{tail}")
+    return VariantRun(name, cmd, log, dump, json.loads(js.read_text()), parse_buffers(text),
+                      parse_graph(text))
+
+
+def side_cache_placement(run: VariantRun) -> list[dict[str, Any]]:
+    """Per buffer name: KV MiB, side-cache MiB and their ratio (the same on every device when the key sums
+    follow the layers' K)."""
+    kv = {b["buffer"]: b["mib"] for b in run.buffers if b["kind"] == "KV"}
+    side = {b["buffer"]: b["mib"] for b in run.buffers if b["kind"] == "sparse-attn side-cache"}
+    return [{"buffer": name, "kv_mib": kv.get(name), "side_mib": side.get(name),
+             "ratio": (side[name] / kv[name]) if name in side and kv.get(name) else None}
+            for name in sorted(set(kv) | set(side))]
+
+
+def _nodes_per_step(run: VariantRun) -> float | None:
+    """Graph nodes of the largest decode step (the harness's --count-nodes)."""
+    nodes = run.summary.get("nodes") or {}
+    return float(nodes["decode_max"]) if "decode_max" in nodes else None
+
+
+def evaluate(runs: dict[str, VariantRun], n_vocab: int) -> dict[str, Any]:
+    """The checks of one RPC layout (pure: unit-tested on synthetic dumps and logs)."""
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        checks.append({"name": name, "ok": bool(ok), "detail": detail})
+
+    cmp_sa = compare_logits(runs["split-dense"].dump, runs["split-selectall"].dump, n_vocab)
+    check("select-all = dense (split)", cmp_sa["identical"],
+          "bitwise identical" if cmp_sa["identical"] else
+          f"differ: max KL {cmp_sa['kl_max']:.3g}, top-1 agreement {cmp_sa['top1_agreement']:.3f}")
+    cmp_sp = compare_logits(runs["local-sparse"].dump, runs["split-sparse"].dump, n_vocab)
+    check("sparse split = sparse local", cmp_sp["identical"] or
+          (cmp_sp["top1_agreement"] == 1.0 and cmp_sp["kl_max"] < 1e-3),
+          ("bitwise identical" if cmp_sp["identical"] else
+           f"top-1 agreement {cmp_sp['top1_agreement']:.3f}, mean KL {cmp_sp['kl_mean']:.3g}, "
+           f"max KL {cmp_sp['kl_max']:.3g}"))
+    cmp_dd = compare_logits(runs["local-dense"].dump, runs["split-dense"].dump, n_vocab)
+    cmp_sd = compare_logits(runs["split-dense"].dump, runs["split-sparse"].dump, n_vocab)
+    nd, ns = _nodes_per_step(runs["split-dense"]), _nodes_per_step(runs["split-sparse"])
+    check("the selection runs (split)",
+          nd is not None and ns is not None and ns > nd and not cmp_sd["identical"],
+          f"graph nodes per decode step: dense {nd}, sparse {ns}; sparse vs dense top-1 agreement "
+          f"{cmp_sd['top1_agreement']:.3f}, mean KL {cmp_sd['kl_mean']:.3g}")
+    place = side_cache_placement(runs["split-sparse"])
+    with_side = [p for p in place if p["side_mib"]]
+    ratios = [p["ratio"] for p in with_side if p["ratio"] is not None]
+    rpc_side = [p for p in with_side if p["buffer"].upper().startswith("RPC")]
+    check("side-cache on the layers' devices",
+          len(with_side) >= 2 and bool(rpc_side) and len(ratios) == len(with_side)
+          and max(ratios) - min(ratios) <= 0.01 * max(ratios),
+          "; ".join(f"{p['buffer']}: KV {p['kv_mib']} MiB, side-cache {p['side_mib']} MiB" for p in place))
+    gd, gs = runs["split-dense"].graph, runs["split-sparse"].graph
+    check("no extra graph splits with sparse attention", bool(gd) and bool(gs)
+          and gs["splits_tg"] == gd["splits_tg"],
+          f"decode graph splits: dense {gd.get('splits_tg')}, sparse {gs.get('splits_tg')}")
+    return {"checks": checks, "passed": all(c["ok"] for c in checks),
+            "comparisons": {"selectall_vs_dense_split": cmp_sa, "sparse_split_vs_local": cmp_sp,
+                            "dense_split_vs_local": cmp_dd, "sparse_vs_dense_split": cmp_sd},
+            "placement": place, "graphs": {n: r.graph for n, r in runs.items()}}
+
+
+def run_rpc_check(cfg: RpcCheckConfig, variants: Sequence[str] = VARIANTS) -> dict[str, Any]:
+    """Start the RPC server, run the variants, evaluate; the result also goes to cfg.work/rpc-check.json."""
+    cfg.work.mkdir(parents=True, exist_ok=True)
+    port = cfg.port or free_port(cfg.host)
+    runs: dict[str, VariantRun] = {}
+    with rpc_server(cfg.rpc_server, cfg.host, port, cfg.work / "rpc-server.log", cfg.server_device,
+                    cfg.threads) as endpoint:
+        for name in variants:
+            runs[name] = run_variant(cfg, name, endpoint)
+    n_vocab = int(runs[variants[0]].summary["n_vocab"])
+    result = evaluate(runs, n_vocab)
+    result["commands"] = {n: " ".join(r.cmd) for n, r in runs.items()}
+    result["config"] = {"prompt_tokens": cfg.prompt_tokens, "decode": cfg.decode, "topk": cfg.topk,
+                        "split_args": list(cfg.split_args), "local_args": list(cfg.local_args),
+                        "server_device": cfg.server_device, "extra": list(cfg.extra)}
+    (cfg.work / "rpc-check.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def raise_on_failure(result: dict[str, Any]) -> None:
+    bad = [f"{c['name']}: {c['detail']}" for c in result["checks"] if not c["ok"]]
+    if bad:
+        raise CheckFailed("RPC layout check failed:\n  " + "\n  ".join(bad))

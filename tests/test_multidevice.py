@@ -1,0 +1,125 @@
+"""Unit tests of the RPC layout check (opencoti_patch.quality.multidevice): log parsing and the verdicts, on
+synthetic logit dumps and llama.cpp log lines (the real run: tests/test_build_real.py, ci/device/rpc.sh)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from opencoti_patch.errors import OpencotiError
+from opencoti_patch.quality import multidevice as md
+
+N_VOCAB = 8
+
+LOG = """\
+load_tensors:          CPU model buffer size =    10.00 MiB
+llama_kv_cache:        CPU KV buffer size =    16.00 MiB
+llama_kv_cache: RPC0[127.0.0.1:5000] KV buffer size =    16.00 MiB
+llama_sparse_attn_cache:        CPU sparse-attn side-cache buffer size =     1.00 MiB
+llama_sparse_attn_cache: RPC0[127.0.0.1:5000] sparse-attn side-cache buffer size =     1.00 MiB
+graph_reserve: reserving a graph for ubatch with n_tokens =    1, n_seqs =  1, n_outputs =    1
+llama_context: graph (pp bs=512, tg bs=1): nodes = 300 / 320, splits = 3 / 3, input objects = 5
+"""
+
+
+def _dump(path: Path, rows: np.ndarray) -> Path:
+    rows.astype(np.float32).tofile(path)
+    return path
+
+
+def _run(tmp_path: Path, name: str, rows: np.ndarray, nodes: int, log: str = LOG) -> md.VariantRun:
+    dump = _dump(tmp_path / f"{name}.f32", rows)
+    return md.VariantRun(name, [name], tmp_path / f"{name}.log", dump,
+                         {"n_vocab": N_VOCAB,
+                          "nodes": {"prefill": 1, "decode_min": nodes, "decode_max": nodes}},
+                         md.parse_buffers(log), md.parse_graph(log))
+
+
+def _runs(tmp_path: Path, *, selectall_delta: float = 0.0, sparse_log: str = LOG,
+          sparse_nodes: int = 340) -> dict[str, md.VariantRun]:
+    rng = np.random.default_rng(1)
+    dense = rng.normal(size=(5, N_VOCAB))
+    sparse = dense.copy()
+    sparse[:, 0] += 0.01  # the selection changes the logits a little, not the argmax
+    sparse[:, dense.argmax(axis=1)] += 1.0
+    selectall = dense.copy()
+    selectall[2, 3] += selectall_delta
+    return {"local-dense": _run(tmp_path, "local-dense", dense, 320),
+            "split-dense": _run(tmp_path, "split-dense", dense, 320),
+            "split-selectall": _run(tmp_path, "split-selectall", selectall, 340),
+            "split-sparse": _run(tmp_path, "split-sparse", sparse, sparse_nodes, sparse_log),
+            "local-sparse": _run(tmp_path, "local-sparse", sparse, sparse_nodes)}
+
+
+def test_parse_buffers_and_graph() -> None:
+    bufs = md.parse_buffers(LOG)
+    assert {"buffer": "RPC0[127.0.0.1:5000]", "kind": "sparse-attn side-cache", "mib": 1.0} in bufs
+    assert [b["kind"] for b in bufs].count("KV") == 2
+    assert md.parse_graph(LOG) == {"nodes_pp": 300, "nodes_tg": 320, "splits_pp": 3, "splits_tg": 3}
+    assert md.parse_graph("llama_context: graph: nodes = 7, splits = 2, input objects = 1") == \
+        {"nodes_pp": 7, "nodes_tg": 7, "splits_pp": 2, "splits_tg": 2}
+    assert md.parse_graph("nothing here") == {}
+
+
+def test_evaluate_passes_on_a_consistent_layout(tmp_path: Path) -> None:
+    out = md.evaluate(_runs(tmp_path), N_VOCAB)
+    assert out["passed"], out["checks"]
+    place = {p["buffer"]: p for p in out["placement"]}
+    assert place["RPC0[127.0.0.1:5000]"]["ratio"] == pytest.approx(1 / 16)
+    md.raise_on_failure(out)
+
+
+def test_evaluate_catches_each_failure(tmp_path: Path) -> None:
+    def failed(**kw: object) -> set[str]:
+        out = md.evaluate(_runs(tmp_path, **kw), N_VOCAB)  # type: ignore[arg-type]
+        return {c["name"] for c in out["checks"] if not c["ok"]}
+
+    # one float of select-all off by a tiny amount is a failure: the plumbing must be exact
+    assert failed(selectall_delta=1e-6) == {"select-all = dense (split)"}
+    # the side-cache only on the local device: the key sums do not follow the layers
+    local_only = "\n".join(x for x in LOG.splitlines() if not ("RPC0" in x and "side-cache" in x))
+    assert failed(sparse_log=local_only) == {"side-cache on the layers' devices"}
+    # one more split in the decode graph with sparse attention: a per-token copy across devices
+    assert failed(sparse_log=LOG.replace("splits = 3 / 3", "splits = 3 / 5")) == \
+        {"no extra graph splits with sparse attention"}
+    # no more nodes than dense: the selection did not run
+    assert failed(sparse_nodes=320) == {"the selection runs (split)"}
+    with pytest.raises(OpencotiError, match="select-all"):
+        md.raise_on_failure(md.evaluate(_runs(tmp_path, selectall_delta=1.0), N_VOCAB))
+
+
+def test_variant_args() -> None:
+    cfg = md.RpcCheckConfig(harness=Path("h"), rpc_server=Path("s"), model=Path("m"), work=Path("w"),
+                            split_args=("-ngl", "2"), local_args=("-ngl", "0"), topk=3)
+    assert md.variant_args(cfg, "split-sparse", "h:1") == \
+        ["--rpc", "h:1", "-ngl", "2", "--sparse-attn", "on", "--sparse-attn-topk", "3",
+         "--sparse-attn-min-ctx", "1"]
+    assert md.variant_args(cfg, "local-dense", "h:1") == ["-ngl", "0", "--sparse-attn", "off"]
+
+
+def test_rpc_server_waits_for_the_port_and_reports_a_dead_server(tmp_path: Path) -> None:
+    port = md.free_port()
+    listener = tmp_path / "listen.py"
+    listener.write_text("import socket, sys, time\n"
+                        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+                        "s.bind((sys.argv[2], int(sys.argv[4]))); s.listen(); time.sleep(60)\n")
+    exe = tmp_path / "fake-rpc-server"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {listener} \"$@\"\n")
+    exe.chmod(0o755)
+    with md.rpc_server(exe, "127.0.0.1", port, tmp_path / "s.log") as endpoint:
+        assert endpoint == f"127.0.0.1:{port}"
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass
+    dead = tmp_path / "dead-rpc-server"
+    dead.write_text("#!/bin/sh\necho 'error: no device CUDA9'\nexit 1\n")
+    dead.chmod(0o755)
+    with pytest.raises(OpencotiError, match="no device CUDA9"), \
+            md.rpc_server(dead, "127.0.0.1", md.free_port(), tmp_path / "d.log"):
+        pass
+    with pytest.raises(OpencotiError, match="GGML_RPC=ON"), \
+            md.rpc_server(tmp_path / "missing", "127.0.0.1", port, tmp_path / "m.log"):
+        pass
