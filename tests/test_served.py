@@ -84,3 +84,25 @@ def test_serve_mode_sends_every_prompt_once(concurrency: int) -> None:
         assert fake.calls == 5
     assert sorted(r["sid"] for r in out) == sorted(p.sample.sid for p in ps)
     assert all("error" not in r and r["correct"] is False for r in out)  # the fake answers words, no key
+
+
+def test_served_command_options_reach_the_server(tmp_path: Path) -> None:
+    """`selector served` takes every common selector option (it once failed on --ngl with a TypeError) and
+    says what is missing: here the build's llama-server."""
+    from click.testing import CliRunner  # noqa: PLC0415
+
+    from opencoti_patch.cli.main import cli  # noqa: PLC0415
+
+    prose_dir = tmp_path / "prose"
+    prose_dir.mkdir()
+    long = [" ".join(PARAGRAPHS[i:i + 3]) for i in range(0, 150, 3)]  # the corpus keeps >= 25-word paragraphs
+    (prose_dir / "a.md").write_text("\n\n".join(long) + "\n")
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    base = ["selector", "served", "--build", str(tmp_path / "build"), "--model", str(model),
+            "--prose", str(prose_dir), "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path / "out")]
+    res = CliRunner().invoke(cli, [*base, "--ngl", "99"])
+    assert res.exit_code != 0 and "llama-server not found" in res.output, res.output
+    assert not isinstance(res.exception, TypeError), res.exception
+    res = CliRunner().invoke(cli, [*base, "--harness-arg=-ub"])
+    assert res.exit_code == 2 and "--server-args" in res.output, res.output

@@ -28,6 +28,8 @@
 #   fidelity:  8K, 16K, 32K, $STEPS (256) teacher-forced steps x $FID_TEXTS (2) texts, 25% and 2048 tokens
 #   recall:    8K, 16K, 32K x $RECALL_TEXTS (2) texts, layers 5,11,17, 25% and 12.5%: kept attention mass of
 #              each scorer vs the oracle and the equal-size window
+#   served:    (not in the default list) 4K x $SAMPLES through llama-server with unified slots, one request
+#              at a time vs 4 at a time, dense / sparse 50% (issue 11); builds the llama-server target first
 # OPENCOTI_DEVICE_CUDA=0: a CPU dry run on a developer machine at tiny scale (2048-token contexts, shares
 # 50% and a fixed 768 tokens, 4 passkey samples, 32 fidelity steps) against OPENCOTI_QUALITY_BUILD (a CPU
 # build of the patched tree with libllama-common; its source: OPENCOTI_QUALITY_SRC, default work/llama.cpp).
@@ -249,6 +251,7 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
         case $s in
         passkey-4k|passkey-8k|passkey-16k|passkey-32k) echo "passkey --samples 2048:4 --shares 0.5 --fixed 768 --per-doc 2" ;;
         fidelity)  echo "fidelity --contexts 2048 --steps 32 --shares 0.5 --fixed 768" ;;
+        served)    echo "served --ctx 2048 --samples 4 --share 0.5 --parallel 2 --server-args=-kvu" ;;
         recall)    echo "recall --texts 2048:1 --q-last 32 --layers 5,11,17 --shares 0.5 --scorers mean16,minmax128" ;;
         *) return 1 ;;
         esac
@@ -259,6 +262,8 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
         local ctx=$(( ${s//[!0-9]/} * 1024 ))
         echo "passkey --samples $ctx:$SAMPLES --shares 0.25,0.125 --fixed 2048 --per-doc $PER_DOC" ;;
     fidelity) echo "fidelity --contexts 8192,16384,32768 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed 2048" ;;
+    # issue 11: the passkey set through llama-server (unified slots), one request at a time vs 4 at a time
+    served) echo "served --ctx 4096 --samples $SAMPLES --share 0.5 --parallel 4 --server-args=-kvu" ;;
     recall)   echo "recall --texts 8192:$RECALL_TEXTS,16384:$RECALL_TEXTS,32768:$RECALL_TEXTS --layers 5,11,17 --shares 0.25,0.125 --scorers mean16,mean16-sum,mid32-sum,minmax128" ;;
     *) return 1 ;;
     esac
@@ -275,6 +280,10 @@ run_all() {
     for s in "${stages[@]}"; do
         if ! args=$(stage_args "$s"); then
             echo "$(date +%T) unknown stage $s" >> "$LOG/status"; continue
+        fi
+        if [ "$s" = served ] && ! run_stage served-build ensure_llama_server "$BUILD"; then
+            [ "${KEEP_GOING:-0}" = 1 ] || { echo "$(date +%T) ALL DONE (served-build failed)" >> "$LOG/status"; return 1; }
+            continue
         fi
         # shellcheck disable=SC2086  # the arguments are words
         if ! run_stage "$s" selector ${args%% *} "$s" ${args#* }; then

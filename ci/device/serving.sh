@@ -27,11 +27,11 @@ CTX=${SERVING_CTX:-$((4 * 33024))}
 NPREDICT=${SERVING_NPREDICT:-32}
 PREFIX=$((MIN_TOKENS - 512)) # a shared prefix for half of the prompts (reused from the slot caches)
 
+# shellcheck source=ci/device/stages.sh
+source "$(dirname "$0")/stages.sh"
 if [ ! -x "$BIN/llama-server" ]; then
     : "${BUILD:?BUILD: the build folder (no llama-server in BIN)}"
-    # the slim tree carries tools/ui; no UI download or build (an offline machine)
-    cmake -B "$BUILD" -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF &&
-        cmake --build "$BUILD" -j "$(nproc)" --target llama-server || exit 1
+    ensure_llama_server "$BUILD" || exit 1
 fi
 
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}

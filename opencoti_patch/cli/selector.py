@@ -454,12 +454,18 @@ def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None
 @click.option("--server-args", default="-kvu", show_default=True,
               help="Extra llama-server arguments for every variant (default: unified slots).")
 def served_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
-                   seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, n_ctx: int,
-                   count: int, share: float, parallel: int, n_predict: int, tolerance: int,
-                   cache_prompt: bool, server_args: str) -> None:
-    """The passkey set through llama-server, one request at a time vs --parallel at a time, dense/sparse."""
-    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir)
-    server = ServerConfig(binary=env.bin / "llama-server", model=env.model, args=shlex.split(server_args),
+                   seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, ngl: int,
+                   harness_args: tuple[str, ...], n_ctx: int, count: int, share: float, parallel: int,
+                   n_predict: int, tolerance: int, cache_prompt: bool, server_args: str) -> None:
+    """The passkey set through llama-server, one request at a time vs --parallel at a time, dense/sparse.
+
+    --ngl offloads the server's layers (llama-server -ngl); --harness-arg does not apply here."""
+    if harness_args:
+        raise click.BadParameter("served runs llama-server, not the harness: put its flags in --server-args",
+                                 param_hint="--harness-arg")
+    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl)
+    args = shlex.split(server_args) + (["-ngl", str(ngl)] if ngl else [])
+    server = ServerConfig(binary=env.bin / "llama-server", model=env.model, args=args,
                           parallel=parallel, ctx=parallel * n_ctx, threads=threads)
     if not server.binary.is_file():
         raise click.ClickException(f"{server.binary} not found: build the llama-server target of that build")
