@@ -17,10 +17,16 @@ N_VOCAB = 8
 
 LOG = """\
 load_tensors:          CPU model buffer size =    10.00 MiB
+llama_kv_cache: layer   0: dev = CPU
+llama_kv_cache: layer   1: dev = CPU
+llama_kv_cache: layer   2: dev = CPU
+llama_kv_cache: layer   3: dev = RPC0
 llama_kv_cache:        CPU KV buffer size =    16.00 MiB
-llama_kv_cache: RPC0[127.0.0.1:5000] KV buffer size =    16.00 MiB
-llama_sparse_attn_cache:        CPU sparse-attn side-cache buffer size =     1.00 MiB
-llama_sparse_attn_cache: RPC0[127.0.0.1:5000] sparse-attn side-cache buffer size =     1.00 MiB
+llama_kv_cache: RPC0[127.0.0.1:5000] KV buffer size =     4.00 MiB
+llama_sparse_attn_kv:        CPU sparse-attn side-cache buffer size =     1.00 MiB
+llama_sparse_attn_kv: RPC0[127.0.0.1:5000] sparse-attn side-cache buffer size =     1.00 MiB
+llama_sparse_attn_attach: sparse attention on: top-k = 4 blocks, dense layers = 2, min ctx = 1, \
+sparse layers = 2, side-cache = 2.00 MiB
 graph_reserve: reserving a graph for ubatch with n_tokens =    1, n_seqs =  1, n_outputs =    1
 llama_context: graph (pp bs=512, tg bs=1): nodes = 300 / 320, splits = 3 / 3, input objects = 5
 """
@@ -69,7 +75,8 @@ def test_evaluate_passes_on_a_consistent_layout(tmp_path: Path) -> None:
     out = md.evaluate(_runs(tmp_path), N_VOCAB)
     assert out["passed"], out["checks"]
     place = {p["buffer"]: p for p in out["placement"]}
-    assert place["RPC0[127.0.0.1:5000]"]["ratio"] == pytest.approx(1 / 16)
+    assert place["RPC0[127.0.0.1:5000]"]["sparse_layers"] == [3] and place["CPU"]["sparse_layers"] == [2]
+    assert place["CPU"]["expected_side_mib"] == pytest.approx(1.0)
     md.raise_on_failure(out)
 
 
@@ -82,7 +89,11 @@ def test_evaluate_catches_each_failure(tmp_path: Path) -> None:
     assert failed(selectall_delta=1e-6) == {"select-all = dense (split)"}
     # the side-cache only on the local device: the key sums do not follow the layers
     local_only = "\n".join(x for x in LOG.splitlines() if not ("RPC0" in x and "side-cache" in x))
+    local_only = local_only.replace("side-cache buffer size =     1.00", "side-cache buffer size =     2.00")
     assert failed(sparse_log=local_only) == {"side-cache on the layers' devices"}
+    # side-cache on both, but not as the layers are (layer 3 moved to the local device)
+    assert failed(sparse_log=LOG.replace("layer   3: dev = RPC0", "layer   3: dev = CPU")) == \
+        {"side-cache on the layers' devices"}
     # one more split in the decode graph with sparse attention: a per-token copy across devices
     assert failed(sparse_log=LOG.replace("splits = 3 / 3", "splits = 3 / 5")) == \
         {"no extra graph splits with sparse attention"}

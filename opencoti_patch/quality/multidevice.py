@@ -35,6 +35,8 @@ VARIANTS = ("local-dense", "split-dense", "split-selectall", "split-sparse", "lo
 
 _BUFFER_RE = re.compile(
     r"^\S+:\s+(\S+) (KV|sparse-attn side-cache|model|compute) buffer size =\s+([\d.]+) MiB", re.M)
+_LAYER_DEV_RE = re.compile(r"^llama_kv_cache: layer +(\d+): dev = (\S+)", re.M)
+_ATTACH_RE = re.compile(r"sparse attention on: .*dense layers = (\d+),.* sparse layers = (\d+)")
 SERVER_EXES = ("ggml-rpc-server", "rpc-server")  # the tool's name in this pin, and in older trees
 _SPLITS_RE = re.compile(r"graph(?: \(pp bs=\d+, tg bs=\d+\))?: nodes = (\d+)(?: / (\d+))?, splits = (\d+)"
                         r"(?: / (\d+))?")
@@ -157,6 +159,7 @@ def run_variant(cfg: RpcCheckConfig, name: str, endpoint: str) -> VariantRun:
     cmd = [str(cfg.harness), "-m", str(cfg.model), "-c", str(cfg.ctx), "-fa", "on", "-t", str(cfg.threads),
            "--prompt-tokens", str(cfg.prompt_tokens), "--decode", str(cfg.decode), "--seed", "42",
            "--dump-logits", str(dump), "--json", str(js), "--count-nodes",
+           "-v",  # the layer -> device lines of the log
            *cfg.extra, *variant_args(cfg, name, endpoint)]
     with log.open("w") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
@@ -170,14 +173,33 @@ def run_variant(cfg: RpcCheckConfig, name: str, endpoint: str) -> VariantRun:
                       parse_graph(text))
 
 
-def side_cache_placement(run: VariantRun) -> list[dict[str, Any]]:
-    """Per buffer name: KV MiB, side-cache MiB and their ratio (the same on every device when the key sums
-    follow the layers' K)."""
+def parse_layers(log_text: str) -> dict[str, Any]:
+    """The KV layer -> device map (llama_kv_cache's debug lines, harness -v) and the sparse layer rule of the
+    attach line (layers >= ``dense layers`` are sparse; the models checked here have no SWA layers)."""
+    devices = {int(m.group(1)): m.group(2) for m in _LAYER_DEV_RE.finditer(log_text)}
+    m = _ATTACH_RE.search(log_text)
+    return {"devices": devices, "dense_layers": int(m.group(1)) if m else None,
+            "sparse_layers": int(m.group(2)) if m else None}
+
+
+def side_cache_placement(run: VariantRun, layers: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per buffer: KV MiB, side-cache MiB, the sparse layers whose K the device holds, and the side-cache
+    expected there (that count x the size of one layer's key sums): equal when the key sums follow the K."""
     kv = {b["buffer"]: b["mib"] for b in run.buffers if b["kind"] == "KV"}
     side = {b["buffer"]: b["mib"] for b in run.buffers if b["kind"] == "sparse-attn side-cache"}
-    return [{"buffer": name, "kv_mib": kv.get(name), "side_mib": side.get(name),
-             "ratio": (side[name] / kv[name]) if name in side and kv.get(name) else None}
-            for name in sorted(set(kv) | set(side))]
+    dense = layers["dense_layers"]
+    sparse_on: dict[str, list[int]] = {}
+    for il, dev in sorted(layers["devices"].items()):
+        if dense is not None and il >= dense:
+            sparse_on.setdefault(dev, []).append(il)
+    n_sparse = sum(map(len, sparse_on.values()))
+    per_layer = sum(side.values()) / n_sparse if n_sparse else None
+    out = []
+    for name in sorted(set(kv) | set(side)):
+        mine = sparse_on.get(name.split("[", 1)[0], [])
+        out.append({"buffer": name, "kv_mib": kv.get(name), "side_mib": side.get(name), "sparse_layers": mine,
+                    "expected_side_mib": per_layer * len(mine) if per_layer is not None else None})
+    return out
 
 
 def _nodes_per_step(run: VariantRun) -> float | None:
@@ -210,14 +232,16 @@ def evaluate(runs: dict[str, VariantRun], n_vocab: int) -> dict[str, Any]:
           nd is not None and ns is not None and ns > nd and not cmp_sd["identical"],
           f"graph nodes per decode step: dense {nd}, sparse {ns}; sparse vs dense top-1 agreement "
           f"{cmp_sd['top1_agreement']:.3f}, mean KL {cmp_sd['kl_mean']:.3g}")
-    place = side_cache_placement(runs["split-sparse"])
+    layers = parse_layers(runs["split-sparse"].log.read_text(errors="replace"))
+    place = side_cache_placement(runs["split-sparse"], layers)
     with_side = [p for p in place if p["side_mib"]]
-    ratios = [p["ratio"] for p in with_side if p["ratio"] is not None]
     rpc_side = [p for p in with_side if p["buffer"].upper().startswith("RPC")]
     check("side-cache on the layers' devices",
-          len(with_side) >= 2 and bool(rpc_side) and len(ratios) == len(with_side)
-          and max(ratios) - min(ratios) <= 0.01 * max(ratios),
-          "; ".join(f"{p['buffer']}: KV {p['kv_mib']} MiB, side-cache {p['side_mib']} MiB" for p in place))
+          len(with_side) >= 2 and bool(rpc_side) and all(
+              p["expected_side_mib"] is not None
+              and abs((p["side_mib"] or 0.0) - p["expected_side_mib"]) <= 0.01 for p in place),
+          "; ".join(f"{p['buffer']}: sparse layers {p['sparse_layers'] or 'none'}, side-cache "
+                    f"{p['side_mib'] or 0} MiB (expected {p['expected_side_mib']})" for p in place))
     gd, gs = runs["split-dense"].graph, runs["split-sparse"].graph
     check("no extra graph splits with sparse attention", bool(gd) and bool(gs)
           and gs["splits_tg"] == gd["splits_tg"],
