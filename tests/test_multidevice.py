@@ -39,6 +39,7 @@ def _dump(path: Path, rows: np.ndarray) -> Path:
 
 def _run(tmp_path: Path, name: str, rows: np.ndarray, nodes: int, log: str = LOG) -> md.VariantRun:
     dump = _dump(tmp_path / f"{name}.f32", rows)
+    (tmp_path / f"{name}.log").write_text(log)
     return md.VariantRun(name, [name], tmp_path / f"{name}.log", dump,
                          {"n_vocab": N_VOCAB,
                           "nodes": {"prefill": 1, "decode_min": nodes, "decode_max": nodes}},
