@@ -25,11 +25,13 @@ import pytest
 
 from opencoti_patch.build import builder as b
 from opencoti_patch.build import identical as ident
-from opencoti_patch.build.harness import BATCH_EXE, build_harness
+from opencoti_patch.build import synth_gguf
+from opencoti_patch.build.harness import BATCH_EXE, SINGLE_EXE, build_harness
 from opencoti_patch.config import Settings
 from opencoti_patch.errors import OpencotiError
 from opencoti_patch.quality import evaluate as ev
 from opencoti_patch.quality import loadtest
+from opencoti_patch.quality import multidevice as md
 from opencoti_patch.stack.series import read_series
 
 pytestmark = pytest.mark.build
@@ -208,11 +210,11 @@ KV_CASES = 3 * 3 * 2 + 6 + 2 * 2 + 2 * 2
 @pytest.fixture(scope="session")
 def selfcheck(cfg: ident.VerifyConfig) -> b.BuildResult:
     """pristine + patches/series, non-DL (the series' tests link the CPU backend directly) with the tests,
-    libllama-common (for the eval harness) and llama-server (the load test)."""
+    libllama-common (for the eval harness), llama-server (the load test) and the RPC backend + server."""
     patches = [ROOT / "patches" / n for n in read_series(ROOT / "patches")]
-    targets = ("test-sparse-attn", "test-sparse-attn-kv", "llama-common", "llama-server")
+    targets = ("test-sparse-attn", "test-sparse-attn-kv", "llama-common", "llama-server", "ggml-rpc-server")
     opts = replace(cfg.options, targets=targets, optional_targets=(),
-                   extra_cmake=("-DGGML_BACKEND_DL=OFF", "-DLLAMA_BUILD_TESTS=ON"))
+                   extra_cmake=("-DGGML_BACKEND_DL=OFF", "-DLLAMA_BUILD_TESTS=ON", "-DGGML_RPC=ON"))
     ident.prepare_source(cfg, "selfcheck", *cfg.pristine, patches=patches)
     return ident.build_label(cfg, "selfcheck", opts)
 
@@ -303,3 +305,48 @@ def test_loadtest_real_server_real_model(selfcheck: b.BuildResult, tmp_path: Pat
         assert s["checks"]["marker_echo"] and s["checks"]["attribution"], (s["name"], s["marker_echo"])
     failed = {s["name"]: [k for k, ok in s["checks"].items() if not ok] for s in data["summaries"]}
     assert code == loadtest.EXIT_OK, (failed, data["comparisons"])
+
+
+@pytest.fixture(scope="session")
+def single_harness(selfcheck: b.BuildResult, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """opencoti-harness (one prompt, logits dump, common's flags) against the selfcheck build."""
+    return build_harness(selfcheck.src, selfcheck.bin, tmp_path_factory.mktemp("harness"),
+                         targets=(SINGLE_EXE,)) / SINGLE_EXE
+
+
+@needs_source
+def test_rpc_split_layout_on_cpu(selfcheck: b.BuildResult, single_harness: Path, tmp_path: Path) -> None:
+    """Issue 15 on one CPU machine: the last layers on a ggml-rpc-server on loopback (its CPU backend), the
+    others local. Select-all is bitwise dense in that layout, sparse decode equals sparse on one device, the
+    selection runs, each sparse layer's key sums sit on its K's device, no extra graph split."""
+    model = synth_gguf.write_llama_gguf(tmp_path / "tiny.gguf", synth_gguf.SHAPES["tiny"], "f16",
+                                        tree=selfcheck.src)
+    cfg = md.RpcCheckConfig(harness=single_harness, rpc_server=selfcheck.bin / md.SERVER_EXES[0], model=model,
+                            work=tmp_path / "rpc", split_args=("-ngl", "2"), local_args=("-ngl", "0"),
+                            prompt_tokens=1024, decode=8, ctx=2048, topk=2)
+    result = md.run_rpc_check(cfg)
+    assert result["passed"], result["checks"]
+    devices = {p["buffer"].split("[")[0] for p in result["placement"] if p["side_mib"]}
+    assert devices == {"CPU", "RPC0"}, result["placement"]
+
+
+@needs_source
+def test_rpc_refuses_a_server_of_another_patch_level(single_harness: Path, tmp_path: Path) -> None:
+    """A server answering upstream's protocol 7.0.0 is refused by this build (7.0.1) with a message naming
+    both versions and a clean error exit, not an abort; it never receives a graph."""
+    import sys  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fake_rpc_server import FakeRpcServer  # noqa: PLC0415
+
+    server = FakeRpcServer((7, 0, 0))
+    try:
+        cmd = [str(single_harness), "-m", str(tmp_path / "unused.gguf"), "--rpc", server.endpoint,
+               "--prompt-tokens", "16", "--decode", "1"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    finally:
+        server.close()
+    log = out.stdout + out.stderr
+    assert out.returncode > 0, (out.returncode, log[-2000:])  # an exit code, not a signal (abort: -6)
+    assert "speaks protocol 7.0.0, this build 7.0.1" in log and "cannot be used" in log, log[-2000:]
+    assert server.hellos >= 1 and server.other_commands == [], (server.hellos, server.other_commands)
