@@ -8,6 +8,9 @@
 #   ci/device/h200.sh pipeline [STAGES...]  the README's main job on this machine, `ci/rebuild.sh --cuda`
 #                                           (fetch .. verify, rebuild, optests, publish), then the
 #                                           stages on the pipeline's own CUDA build (detached)
+#   ci/device/h200.sh resume [STAGES...]    on a warm machine: the carried tree over the built one (only the files
+#                                           whose content changed), incremental build, the stages; as start on a
+#                                           fresh machine
 #   ci/device/h200.sh wait SECONDS          print progress until done or SECONDS pass; copy results to $OUT
 #
 # Inputs (carried in the working tree): .carry/llama-src.tar.gz, a slim pinned tree (top folder
@@ -50,6 +53,30 @@ prepare_src() {
     fi
 }
 
+update_src() { # the carried tree over the one built here, rewriting only files whose content changed (ninja
+    # then rebuilds what they feed, not everything: a fresh extract would give every file a new mtime)
+    local new=$W/llama.cpp.new
+    rm -rf "$new"; mkdir -p "$new"
+    tar xzf "$ROOT/.carry/llama-src.tar.gz" -C "$new" || return 1
+    python3 - "$new/llama.cpp" "$SRC" <<'PY'
+import filecmp, os, shutil, sys
+new, old = sys.argv[1], sys.argv[2]
+changed = 0
+for d, _, files in os.walk(new):
+    for f in files:
+        a = os.path.join(d, f)
+        b = os.path.join(old, os.path.relpath(a, new))
+        if not os.path.exists(b) or not filecmp.cmp(a, b, shallow=False):
+            os.makedirs(os.path.dirname(b), exist_ok=True)
+            shutil.copy2(a, b)
+            os.utime(b)  # newer than the objects built from the old text
+            changed += 1
+            print("changed:", os.path.relpath(a, new))
+print(changed, "files changed")
+PY
+    rm -rf "$new"
+}
+
 build_cuda() {
     local gen=() cuda=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
     command -v ninja >/dev/null && gen=(-G Ninja)
@@ -63,6 +90,7 @@ build_cuda() {
 write_models() {
     export PYTHONPATH=$ROOT
     for shape in $SHAPES; do
+        [ -s "$W/m-$shape-q4_0.gguf" ] && continue # written by an earlier run on this machine (resume)
         python3 -m opencoti_patch.build.synth_gguf "$W/m-$shape-q4_0.gguf" --shape "$shape" --type q4_0 --tree "$SRC" || return 1
     done
 }
@@ -138,6 +166,11 @@ start() {
         run_stage build-extra cmake --build "$BUILD" --target llama-batched-bench ${EXTRA_TARGETS:-}
         run_stage pipe-optests bash ci/rebuild.sh $GPU_FLAG optests
         run_stage pipe-publish bash ci/rebuild.sh $GPU_FLAG publish
+    elif [ "${MODE:-}" = resume ]; then # the machine's build and models are kept: the changed sources only
+        run_stage update update_src || return 1
+        write_models > "$LOG/models.log" 2>&1 & # only the shapes not written yet
+        local models_pid=$!
+        run_stage build build_cuda || return 1
     else
         run_stage prepare prepare_src || return 1
         write_models > "$LOG/models.log" 2>&1 &
@@ -247,8 +280,15 @@ case ${1:-} in
     start) shift; rm -rf "$W"; mkdir -p "$LOG"; setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null & ;;
     pipeline) shift; rm -rf "$W"; mkdir -p "$LOG/artifacts"
         MODE=pipeline setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null & ;;
+    resume) shift # a warm machine: keep $W (build, models, logs), update the sources, rebuild incrementally
+        if [ -f "$BUILD/build.ninja" ] || [ -f "$BUILD/Makefile" ]; then
+            mkdir -p "$LOG/prev"; mv "$LOG"/*.* "$LOG/prev/" 2>/dev/null; : > "$LOG/status"
+            MODE=resume setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null &
+        else # a fresh machine: as start
+            rm -rf "$W"; mkdir -p "$LOG"; setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null &
+        fi ;;
     _run)  shift; start "$@" ;;
     wait)  wait_for "${2:-540}" ;;
     quality) shift; exec bash "$(dirname "$0")/quality.sh" "$@" ;;  # issue 10 on the H200: ci/device/quality.sh
-    *) echo "usage: $0 start [stages...] | pipeline [stages...] | wait SECONDS" >&2; exit 2 ;;
+    *) echo "usage: $0 start [stages...] | resume [stages...] | pipeline [stages...] | wait SECONDS" >&2; exit 2 ;;
 esac
