@@ -15,6 +15,7 @@ run_stage() { # name cmd...
 ensure_llama_server() { # build: the llama-server target of that build when its bin/ has none (stage builds leave it off)
     [ -x "$1/bin/llama-server" ] && return 0
     # the slim tree carries tools/ui; no UI download or build (an offline machine)
-    cmake -B "$1" -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF &&
+    # `cmake .` inside the build folder: its cached source tree (a plain -B would take the current directory)
+    (cd "$1" && cmake . -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF) &&
         cmake --build "$1" -j "$(nproc)" --target llama-server
 }
