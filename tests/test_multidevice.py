@@ -135,3 +135,10 @@ def test_rpc_server_waits_for_the_port_and_reports_a_dead_server(tmp_path: Path)
     with pytest.raises(OpencotiError, match="GGML_RPC=ON"), \
             md.rpc_server(tmp_path / "missing", "127.0.0.1", port, tmp_path / "m.log"):
         pass
+
+
+def test_portable_args() -> None:
+    work = Path("/scratch/md")
+    assert md.portable_args(["/opt/b/opencoti-harness", "-m", "/models/x.gguf", "--dump-logits",
+                             "/scratch/md/split-dense/logits.f32", "-ngl", "2"], work) == \
+        ["opencoti-harness", "-m", "x.gguf", "--dump-logits", "<work>/split-dense/logits.f32", "-ngl", "2"]

@@ -263,12 +263,25 @@ def run_rpc_check(cfg: RpcCheckConfig, variants: Sequence[str] = VARIANTS) -> di
             runs[name] = run_variant(cfg, name, endpoint)
     n_vocab = int(runs[variants[0]].summary["n_vocab"])
     result = evaluate(runs, n_vocab)
-    result["commands"] = {n: " ".join(r.cmd) for n, r in runs.items()}
+    result["commands"] = {n: " ".join(portable_args(r.cmd, cfg.work)) for n, r in runs.items()}
     result["config"] = {"prompt_tokens": cfg.prompt_tokens, "decode": cfg.decode, "topk": cfg.topk,
                         "split_args": list(cfg.split_args), "local_args": list(cfg.local_args),
                         "server_device": cfg.server_device, "extra": list(cfg.extra)}
     (cfg.work / "rpc-check.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def portable_args(cmd: Sequence[str], work: Path) -> list[str]:
+    """A command line for a report: paths under the work folder as <work>/..., other absolute paths by their
+    file name (the machine's folders mean nothing to a reader)."""
+    out = []
+    for a in cmd:
+        if a.startswith("/"):
+            p = Path(a)
+            out.append(f"<work>/{p.relative_to(work)}" if p.is_relative_to(work) else p.name)
+        else:
+            out.append(a)
+    return out
 
 
 def raise_on_failure(result: dict[str, Any]) -> None:
