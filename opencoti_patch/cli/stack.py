@@ -14,7 +14,7 @@ import click
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError, PatchFailed
 from ..markers.fix import fix_tree
-from ..markers.resolve import resolve_conflicts
+from ..markers.resolve import check_added_regions, resolve_conflicts
 from ..report import info, render
 from ..stack import apply as apply_mod
 from ..stack.capture import NewPatch, snapshot, stale_report, summary
@@ -36,7 +36,8 @@ def _outcome_lines(report: apply_mod.Report) -> str:
                      ("merged", "conflicted", "failed", apply_mod.AUTO) and o.files else ""))
         lines += [f"      auto-resolved {r['file']}:{r['lines']} ({', '.join(r['rules'])}: {r['detail']})"
                   for r in o.resolved]
-        lines += [f"      left          {x['file']}:{x['lines']}: {x['why']}" for x in o.left]
+        lines += [f"      left          {x['file']}:{x['lines']}"
+                  + (f" ({x['rule']})" if x.get("rule") else "") + f": {x['why']}" for x in o.left]
     return "\n".join(lines)
 
 
@@ -276,6 +277,8 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
 
     Each patch is clean, merged (3-way, no conflict) or conflicted (files named). On a conflict
     the tree keeps the conflict markers: resolve, then `rebase --continue` (or --skip/--abort).
+    A patch that applied also stops, as a conflict, when a marked region it adds names what the old
+    upstream file has and the new upstream file and tree have nowhere (names-clean-merge).
     When done, `snapshot` rewrites the patch files against the new upstream.
     """
     if sum(map(bool, (to_pin, cont, skip, abort))) != 1:
@@ -291,15 +294,22 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
                           if aborted.get("default_restored") else ""))
             return
         if cont:
-            report, pending = apply_mod.rebase_continue(tree, patches, resolver)
+            report, pending = apply_mod.rebase_continue(tree, patches, resolver, check_added_regions)
         elif skip:
-            report, pending = apply_mod.rebase_skip(tree, patches, resolver)
+            report, pending = apply_mod.rebase_skip(tree, patches, resolver, check_added_regions)
         else:
             up = _upstream(settings)
             report, pending = apply_mod.rebase(tree, patches, up.pin(to_pin), up, settings, from_file,
-                                               force, resolver)
+                                               force, resolver, check_added_regions)
     text = f"rebase onto {report.pin}:\n{_outcome_lines(report)}"
-    if pending:
+    if pending and pending.get("names_stop"):
+        text += (f"\n{pending['current']['patch']} applied, but git merged marked regions that name what "
+                 "the old upstream had and the new upstream and tree have nowhere "
+                 f"({apply_mod.NAMES_RULE}, listed above): check each region for the identifiers named (a "
+                 "member or API upstream renamed or dropped: port the code, not just its place); the step "
+                 f"is staged in the tree. Then `{settings.command('rebase --continue')}` (commits the tree "
+                 "as it stands, also when you judge the code right), or --skip / --abort")
+    elif pending:
         text += (f"\nresolve the conflicts in the tree, then `{settings.command('rebase --continue')}` "
                  "(or --skip / --abort)")
     else:
@@ -315,6 +325,9 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
     emit(report.as_dict() | {"pending": bool(pending)}, as_json, text)
     if pending:
         current = pending["current"]
+        if pending.get("names_stop"):
+            raise PatchFailed(f"{current['patch']} stopped by the names check ({apply_mod.NAMES_RULE}) in "
+                              f"{', '.join(current['files'])}: check the regions listed")
         raise PatchFailed(f"{current['patch']} {current['status']} in {', '.join(current['files'])}")
 
 

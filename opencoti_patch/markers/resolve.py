@@ -37,18 +37,25 @@ the region was written against code upstream does not have there) is left too (`
 the caller hands over the two upstream versions of the file (``rebase`` does): that is a port. A name
 the new file lost but the new tree still has (``int32_t``, a ggml API function) does not count, when
 the caller also says which names the new tree knows (``rebase``: ``git grep`` of its HEAD).
+
+The same test for what no rule sees (``names-clean-merge``, ``check_added_regions``): after a patch
+applied exactly, merged cleanly or had its blocks resolved, ``rebase`` hands over each file the patch
+touched with the lines it added; a marked region holding added lines whose code names what the old
+upstream file has, the new one has not and the new tree has nowhere is flagged (the ``use_kv_cur``
+line of the iSWA ``build_attn``: git's own clean 3-way merge of a hunk). A fork-only file (``file``
+marker) has no upstream file: there the old upstream *headers* (what it can include) stand for it.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..stack.hunks import find_nearest
-from .syntax import comment_prefix, parse_marker
+from .syntax import FILE_MARKER_LINES, comment_prefix, parse_marker, scan_markers
 
 OURS, BASE, SEP, THEIRS = "<<<<<<< ", "||||||| ", "=======", ">>>>>>> "
 
@@ -60,6 +67,7 @@ COUNT_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
 NUMBER_RE = re.compile(r"\d+")
 NAME_RE = re.compile(r"[A-Za-z_]\w*")
 STRING_RE = re.compile(r'"(?:\\.|[^"\\])*"')
+NAMES_CLEAN_RULE = "names-clean-merge"  # a marked region git merged cleanly names what is gone
 
 
 @dataclass
@@ -181,15 +189,77 @@ def gone_names(path: str, old_upstream: str, new_upstream: str) -> set[str]:
     return code_names(path, old_upstream.split("\n")) - code_names(path, new_upstream.split("\n"))
 
 
+def named_gone(path: str, lines: Sequence[str], gone: set[str],
+               known: Callable[[str], bool] | None = None) -> list[str]:
+    """The names of ``gone`` the code of ``lines`` names (marker lines left out), sorted; with
+    ``known``, only those the new tree does not have anywhere either."""
+    content = [ln for ln in lines if parse_marker(ln) is None]
+    return [h for h in sorted(code_names(path, content) & gone) if known is None or not known(h)]
+
+
+def names_why(hits: Sequence[str], where: str = "upstream's new file does not have") -> str:
+    more = f" (+{len(hits) - 3} more)" if len(hits) > 3 else ""
+    return f"our region names {', '.join(repr(h) for h in hits[:3])}{more}, which {where} (a port)"
+
+
 def check_names(path: str, lines: Sequence[str], gone: set[str],
                 known: Callable[[str], bool] | None = None) -> None:
     """Unresolvable when the code of a region placed in upstream's new text names what it lost (and,
     with ``known``, what the new tree does not have anywhere)."""
-    content = [ln for ln in lines if parse_marker(ln) is None]
-    hits = [h for h in sorted(code_names(path, content) & gone) if known is None or not known(h)]
+    hits = named_gone(path, lines, gone, known)
     if hits:
-        shown = ", ".join(repr(h) for h in hits[:3])
-        raise Unresolvable(f"our region names {shown}, which upstream's new file does not have (a port)")
+        raise Unresolvable(names_why(hits))
+
+
+def added_regions(lines: Sequence[str], added: Sequence[int]
+                  ) -> tuple[list[tuple[int, int, list[int]]], bool]:
+    """The marked regions of a file that hold lines of ``added`` (1-based): (first line, last line,
+    the added lines in it) each; and whether the file is fork-only (a ``file`` marker in its first
+    lines: the whole file is one region)."""
+    scan = scan_markers(lines, upstream=False)
+    fork = any(m.kind == "file" and m.line <= FILE_MARKER_LINES for m in scan.markers)
+    last = len(lines) - 1 if lines and lines[-1] == "" else len(lines)
+    spans = [(1, last)] if fork else [(b, e) for b, e, _ in scan.regions]
+    out = []
+    for b, e in spans:
+        mine = [k for k in added if b <= k <= e]
+        if mine:
+            out.append((b, e, mine))
+    return out, fork
+
+
+def check_added_regions(path: str, text: str, added: Sequence[int], old_upstream: str | None,
+                        new_upstream: str | None, known: Callable[[Iterable[str]], set[str]],
+                        old_known: Callable[[Iterable[str]], set[str]]) -> list[dict[str, Any]]:
+    """``names-clean-merge``: the marked regions of ``text`` (a file as a patch left it, however it got
+    there) whose added lines name what the old upstream file has, the new one has not and the new
+    tree (``known``: which of some names it has) has nowhere: the names rule's test, on what git
+    merged with no conflict. In a fork-only file, what the old upstream headers (``old_known``) have
+    stand for the old file. Each flagged region is a dict: ``file``, ``lines`` (its span, 1-based), ``names``,
+    ``rule``, ``why`` (``stack.apply.NamesCheck``)."""
+    lines = text.split("\n")
+    regions, fork = added_regions(lines, added)
+    if not regions or not fork and (old_upstream is None or new_upstream is None):
+        return []
+    gone = set() if fork else gone_names(path, old_upstream or "", new_upstream or "")
+    flagged: list[dict[str, Any]] = []
+    for first, last, mine in regions:
+        content = [lines[k - 1] for k in mine if k <= len(lines)]
+        # the names of its code the old side has (a fork-only file: all, then the old headers are asked)
+        candidates = named_gone(path, content, code_names(path, content) if fork else gone)
+        new_has = known(candidates)
+        hits = [h for h in candidates if h not in new_has]
+        if fork:
+            old_has = old_known(hits)
+            hits = [h for h in hits if h in old_has]
+            why = names_why(hits, "the old upstream headers have and the new tree has nowhere")
+        else:
+            why = names_why(hits, "the old upstream file has, and neither the new upstream file nor the new "
+                                  "tree has")
+        if hits:
+            flagged.append({"file": path, "lines": f"{first}-{last}", "names": hits, "rule": NAMES_CLEAN_RULE,
+                            "why": f"{why}; in what the step merged, which no conflict rule judges"})
+    return flagged
 
 
 # -- rules -------------------------------------------------------------------------------------

@@ -10,26 +10,26 @@ and hunk are named.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import DEFAULT_AUTHOR, Settings
+from ..config import DEFAULT_AUTHOR, TAG_PREFIX, Settings
 from ..errors import CheckFailed, OpencotiError, PatchFailed
 from ..report import render
 from .gitrun import run_git
 from .hunks import check_exact
-from .series import Patch, diff_patch
+from .series import Patch, diff_patch, parse_diff
 from .tree import Tree, TreeDiff, commit_message
 from .upstream import Pin, Upstream, load_upstream, materialize, set_default_pin
 
 CLEAN, MERGED, CONFLICTED, FAILED = "clean", "merged", "conflicted", "failed"
+NAMES_RULE = "names-clean-merge"  # the rule name of what ``NamesCheck`` flags (markers/resolve.py)
 AUTO = "auto-resolved"  # 3-way merge conflicted and every conflict block was resolved by a rule
 APPLIED_OK = (CLEAN, MERGED, AUTO)
 
@@ -39,6 +39,17 @@ APPLIED_OK = (CLEAN, MERGED, AUTO)
 # and ``rules`` (resolved) or ``why`` (left).
 Resolver = Callable[[str, str, str, str, Callable[[str], bool]],
                     tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]
+# A names check of a rebase step (``markers/resolve.check_added_regions``, handed down by the CLI):
+# (path, the file as the step leaves it, the lines the step added to it (1-based), the file in the old
+# pin or None, in the new pin or None, which of some names the new tree has, which the old pin's
+# headers have) -> the marked regions it flags, each a dict with ``file``, ``lines``, ``names``, ``rule``,
+# ``why``.
+Having = Callable[[Iterable[str]], set[str]]
+# where a fork-only file meets upstream: the headers it can include (what the old pin's tree has in
+# them stands for the old file a fork-only file does not have; a local variable of some upstream .cpp
+# the new tree dropped is no port)
+HEADERS = ("*.h", "*.hh", "*.hpp", "*.cuh", "*.inl")
+NamesCheck = Callable[[str, str, list[int], str | None, str | None, Having, Having], list[dict[str, Any]]]
 APPLIED_RE = re.compile(r"^Applied patch to '(.+)' (cleanly|with conflicts)\.$")
 
 
@@ -137,9 +148,7 @@ def auto_resolve(tree: Tree, files: list[str], resolver: Resolver
     left: list[dict[str, Any]] = []
     still: list[str] = []
 
-    @functools.cache
-    def known(name: str) -> bool:  # a whole word of a text file of HEAD (the new upstream + patches so far)
-        return tree.git("grep", "-q", "-I", "-w", "-F", "-e", name, "HEAD", "--", check=False).rc == 0
+    known = TreeNames(tree, "HEAD").has  # the new upstream + the patches so far
 
     with tempfile.TemporaryDirectory(prefix="opencoti-merge-") as tmp:
         for path in files:
@@ -168,6 +177,90 @@ def auto_resolve(tree: Tree, files: list[str], resolver: Resolver
             else:
                 tree.git("add", "--", path)
     return resolved, left, still
+
+
+class TreeNames:
+    """Which names a text file of ``rev`` has as a whole word (``git grep -w``), cached: ``has`` asks
+    git for one name (stops at the first hit; a name the tree lacks costs a pass over it), ``having``
+    for many: more than ``ONE_BY_ONE`` new ones and every word of the tree is read once instead."""
+
+    ONE_BY_ONE = 8
+
+    def __init__(self, tree: Tree, rev: str, only: tuple[str, ...] = ()) -> None:
+        self.tree, self.rev, self.only = tree, rev, only  # only: pathspecs (default: every file)
+        self.known: dict[str, bool] = {}
+        self.words: set[bytes] | None = None
+
+    def has(self, name: str) -> bool:
+        if name not in self.known:
+            if self.words is not None:
+                self.known[name] = name.encode("utf-8", "surrogateescape") in self.words
+            else:
+                r = self.tree.git("grep", "-q", "-I", "-w", "-F", "-e", name, self.rev, "--", *self.only,
+                                  check=False)
+                self.known[name] = r.rc == 0
+        return self.known[name]
+
+    def having(self, names: Iterable[str]) -> set[str]:
+        wanted = set(names)
+        if self.words is None and len(wanted - self.known.keys()) > self.ONE_BY_ONE:
+            r = self.tree.git("grep", "-h", "-I", "-o", "-E", "[A-Za-z0-9_]+", self.rev, "--", *self.only,
+                              check=False, binary=True)  # the words -w sees: runs of word characters
+            self.words = set(r.out.split(b"\n")) if isinstance(r.out, bytes) else set()
+        return {n for n in wanted if self.has(n)}
+
+
+def _blob(tree: Tree, spec: str) -> str | None:
+    r = tree.git("cat-file", "blob", spec, check=False, binary=True)
+    return r.out.decode("utf-8", "surrogateescape") if r.rc == 0 and isinstance(r.out, bytes) else None
+
+
+def staged_additions(tree: Tree) -> dict[str, list[int]]:
+    """Per file the index adds or changes against HEAD (one rebase step, staged): the lines it adds
+    (1-based, in the staged file)."""
+    r = tree.git("diff", "--cached", "-U0", "--no-color", "--no-ext-diff", "--no-renames", "--diff-filter=AM",
+                 "HEAD", "--", binary=True)
+    if not isinstance(r.out, bytes) or not r.out.strip():
+        return {}
+    added: dict[str, list[int]] = {}
+    for fp in parse_diff(r.out, "the staged step"):
+        lines = [n for h in fp.hunks for n, tag, _ in h.new_side() if tag == "+"]
+        if fp.new_path and not fp.binary and lines:
+            added[fp.new_path] = lines
+    return added
+
+
+def names_scan(tree: Tree, state: dict[str, Any], check: NamesCheck) -> list[dict[str, Any]]:
+    """``check`` on each file the staged step adds lines to, against the rebase's old and new pins
+    (``state``): the marked regions it flags (``names-clean-merge``)."""
+    old, new = TAG_PREFIX + state["from"], TAG_PREFIX + state["to"]
+    known, old_known = TreeNames(tree, "HEAD").having, TreeNames(tree, old, HEADERS).having
+    flagged: list[dict[str, Any]] = []
+    for path, lines in staged_additions(tree).items():
+        text = _blob(tree, f":{path}")
+        if text is not None:
+            flagged += check(path, text, lines, _blob(tree, f"{old}:{path}"), _blob(tree, f"{new}:{path}"),
+                             known, old_known)
+    return flagged
+
+
+def names_stop(tree: Tree, state: dict[str, Any], outcome: dict[str, Any], check: NamesCheck | None
+               ) -> bool:
+    """Run the names check on the staged step; when it flags regions, make the step a conflict for a
+    person (``state["current"]``, saved; the step stays staged in the tree). True when it stopped."""
+    flagged = names_scan(tree, state, check) if check is not None else []
+    if not flagged:
+        return False
+    files = sorted({f["file"] for f in flagged})
+    was = f"{outcome['status']}: {outcome['detail']}" if outcome.get("detail") else outcome["status"]
+    state["current"] = outcome | {
+        "status": CONFLICTED, "files": files, "left": flagged, "hunk": None, "line": None,
+        "detail": (f"{was}; {len(flagged)} marked region(s) name what upstream removed "
+                   f"({NAMES_RULE}): check them"),
+    }
+    state["names_stop"] = True
+    _save_rebase(tree, state)
+    return True
 
 
 def apply_to_folder(folder: Path, patch_file: Path) -> None:
@@ -360,6 +453,10 @@ def rebase_waiting(tree: Tree, state: dict[str, Any]) -> str:
                 f"{state['from']}: `{cmd('snapshot')}` rewrites them, or `{cmd('rebase --abort')}` "
                 f"goes back to {state['from']}")
     current = (state.get("current") or {}).get("patch", "?")
+    if state.get("names_stop"):
+        return (f"a rebase onto {state['to']} is in progress ({current} stopped: marked regions git merged "
+                f"name what upstream removed, {NAMES_RULE}): check them and "
+                f"`{cmd('rebase --continue')}`, or `--skip` / `--abort`")
     return (f"a rebase onto {state['to']} is in progress ({current} conflicted): resolve it and "
             f"`{cmd('rebase --continue')}`, or `--skip` / `--abort`")
 
@@ -411,8 +508,11 @@ def rebase(
     from_file: Path | None = None,
     force: bool = False,
     resolver: Resolver | None = None,
+    names_check: NamesCheck | None = None,
 ) -> tuple[Report, dict[str, Any] | None]:
-    """Re-apply the series (3-way) on top of ``pin``; stops at the first conflict, resolvable."""
+    """Re-apply the series (3-way) on top of ``pin``; stops at the first conflict, resolvable. With
+    ``names_check``, a step that applied (clean, merged, auto-resolved) whose marked regions name
+    what upstream removed stops too, as a conflict (``names_stop``)."""
     tree.require()
     refuse_during_rebase(tree, f"rebase onto {pin.name}")
     if pin.name == tree.pin:
@@ -431,11 +531,12 @@ def rebase(
     tree.reset_hard(pin.tag, ignored=True)
     tree.write_state(pin=pin.name, commit=pin.commit)
     _save_rebase(tree, state)
-    return _rebase_run(tree, patches, state, resolver)
+    return _rebase_run(tree, patches, state, resolver, names_check)
 
 
 def _rebase_run(
-    tree: Tree, patches: list[Patch], state: dict[str, Any], resolver: Resolver | None = None
+    tree: Tree, patches: list[Patch], state: dict[str, Any], resolver: Resolver | None = None,
+    names_check: NamesCheck | None = None,
 ) -> tuple[Report, dict[str, Any] | None]:
     by_name = {p.name: p for p in patches}
     while state["remaining"]:
@@ -443,6 +544,8 @@ def _rebase_run(
         if name not in by_name:
             raise OpencotiError(f"{name} left the series during the rebase; `rebase --abort` and retry")
         outcome = apply_one(tree, by_name[name], three_way=True, resolver=resolver)
+        if outcome.status in APPLIED_OK and names_stop(tree, state, asdict(outcome), names_check):
+            return _rebase_report(tree, state), state
         if outcome.status in APPLIED_OK:
             commit_patch(tree, by_name[name])
             state["outcomes"].append(asdict(outcome))
@@ -476,8 +579,12 @@ def _conflicted_state(tree: Tree, step: str) -> dict[str, Any]:
     return state
 
 
-def rebase_continue(tree: Tree, patches: list[Patch], resolver: Resolver | None = None
-                    ) -> tuple[Report, dict[str, Any] | None]:
+def rebase_continue(tree: Tree, patches: list[Patch], resolver: Resolver | None = None,
+                    names_check: NamesCheck | None = None) -> tuple[Report, dict[str, Any] | None]:
+    """Commit the person's resolution of the conflicted step and go on. After an ordinary conflict
+    the names check runs on the whole step first (what git merged cleanly beside the conflicts) and
+    may stop it once more; after a names stop the tree is taken as the person left it (fixed, or
+    judged right)."""
     state = _conflicted_state(tree, "continue")
     by_name = {p.name: p for p in patches}
     name = state["remaining"][0]
@@ -492,18 +599,22 @@ def rebase_continue(tree: Tree, patches: list[Patch], resolver: Resolver | None 
         raise OpencotiError(
             f"nothing to commit for {name}: make its changes by hand, or `rebase --skip` to drop it"
         )
+    if not state.get("names_stop") and names_stop(tree, state, state["current"], names_check):
+        return _rebase_report(tree, state), state
     commit_patch(tree, by_name[name])
-    return _step_done(tree, patches, state, "resolved", resolver)
+    return _step_done(tree, patches, state, "resolved", resolver, names_check)
 
 
-def _step_done(tree: Tree, patches: list[Patch], state: dict[str, Any],
-               status: str, resolver: Resolver | None = None) -> tuple[Report, dict[str, Any] | None]:
+def _step_done(tree: Tree, patches: list[Patch], state: dict[str, Any], status: str,
+               resolver: Resolver | None = None, names_check: NamesCheck | None = None
+               ) -> tuple[Report, dict[str, Any] | None]:
     """Record the conflicted step as ``status`` (resolved, skipped) and go on with the rest."""
     state["outcomes"].append(dict(state["current"]) | {"status": status})
     state["remaining"].pop(0)
     state["current"] = None
+    state.pop("names_stop", None)
     _save_rebase(tree, state)
-    return _rebase_run(tree, patches, state, resolver)
+    return _rebase_run(tree, patches, state, resolver, names_check)
 
 
 def rebase_abort(tree: Tree) -> dict[str, Any]:
@@ -526,12 +637,12 @@ def rebase_abort(tree: Tree) -> dict[str, Any]:
     return state
 
 
-def rebase_skip(tree: Tree, patches: list[Patch], resolver: Resolver | None = None
-                ) -> tuple[Report, dict[str, Any] | None]:
+def rebase_skip(tree: Tree, patches: list[Patch], resolver: Resolver | None = None,
+                names_check: NamesCheck | None = None) -> tuple[Report, dict[str, Any] | None]:
     """Drop the conflicted patch and go on; the next `snapshot` takes it out of the series and sets
     its file aside in patches/skipped/."""
     state = _conflicted_state(tree, "skip")
     tree.reset_hard("HEAD")
     dropped = tree.read_state().get("dropped", [])
     tree.write_state(dropped=sorted({*dropped, state["current"]["patch"]}))
-    return _step_done(tree, patches, state, "skipped", resolver)
+    return _step_done(tree, patches, state, "skipped", resolver, names_check)

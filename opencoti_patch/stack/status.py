@@ -48,7 +48,8 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
         skipped = [o["patch"] for o in rebasing.get("outcomes", []) if o.get("status") == "skipped"]
         data["rebase"] = {"to": rebasing["to"], "from": rebasing.get("from"), "current": current.get("patch"),
                           "files": current.get("files", []), "done": bool(rebasing.get("done")),
-                          "skipped": skipped, "remaining": rebasing.get("remaining", [])[1:]}
+                          "skipped": skipped, "remaining": rebasing.get("remaining", [])[1:],
+                          "names_stop": bool(rebasing.get("names_stop"))}
     return data
 
 
