@@ -350,3 +350,22 @@ def test_rpc_refuses_a_server_of_another_patch_level(single_harness: Path, tmp_p
     assert out.returncode > 0, (out.returncode, log[-2000:])  # an exit code, not a signal (abort: -6)
     assert "speaks protocol 7.0.0, this build 7.0.1" in log and "cannot be used" in log, log[-2000:]
     assert server.hellos >= 1 and server.other_commands == [], (server.hellos, server.other_commands)
+
+
+_RPC_BUG = ("known bug (2026-12-02): Gemma 3 270M with layers 9-17 on a 2-thread CPU ggml-rpc-server decodes "
+            "sparse with wrong logits (top-1 agreement 0.53 with the same sparse run on one device, KL 1.59; "
+            "deterministic); fine with 1 server thread, with -ub 1, with every layer on the server, or with "
+            "only "
+            "layers 11 and 17 sparse. Remove this mark once fixed.")
+
+
+@needs_source
+@pytest.mark.xfail(strict=True, reason=_RPC_BUG)
+def test_rpc_split_layout_real_model(selfcheck: b.BuildResult, single_harness: Path, tmp_path: Path) -> None:
+    """The RPC split check on the real model (iSWA: sparse layers 5, 11, 17; 5 local, 11 and 17 remote)."""
+    cfg = md.RpcCheckConfig(harness=single_harness, rpc_server=selfcheck.bin / md.SERVER_EXES[0],
+                            model=real_model(), work=tmp_path / "rpc", split_args=("-ngl", "10"),
+                            local_args=("-ngl", "0"), prompt_tokens=2048, decode=16, ctx=4096, topk=4,
+                            threads=2)
+    result = md.run_rpc_check(cfg)
+    assert result["passed"], result["checks"]

@@ -142,3 +142,21 @@ def test_portable_args() -> None:
     assert md.portable_args(["/opt/b/opencoti-harness", "-m", "/models/x.gguf", "--dump-logits",
                              "/scratch/md/split-dense/logits.f32", "-ngl", "2"], work) == \
         ["opencoti-harness", "-m", "x.gguf", "--dump-logits", "<work>/split-dense/logits.f32", "-ngl", "2"]
+
+
+def test_parse_layers_leaves_out_the_swa_cache() -> None:
+    log = ("llama_kv_cache_iswa: creating non-SWA KV cache, size = 4096 cells\n"
+           "llama_kv_cache: layer   0: filtered\nllama_kv_cache: layer   5: dev = CPU\n"
+           "llama_kv_cache: layer  11: dev = RPC0\n"
+           "llama_kv_cache_iswa: creating     SWA KV cache, size = 768 cells\n"
+           "llama_kv_cache: layer   4: dev = CPU\nllama_kv_cache: layer   6: dev = RPC0\n"
+           "llama_sparse_attn_attach: sparse attention on: top-k = 4 blocks, dense layers = 2, min ctx = 1, "
+           "sparse layers = 2, side-cache = 0.50 MiB\n")
+    layers = md.parse_layers(log)
+    assert layers["devices"] == {5: "CPU", 11: "RPC0", 4: "CPU", 6: "RPC0"} and layers["swa"] == {4, 6}
+    run = md.VariantRun("x", [], Path("x"), Path("x"), {}, md.parse_buffers(
+        "llama_sparse_attn_kv:        CPU sparse-attn side-cache buffer size =     0.25 MiB\n"
+        "llama_sparse_attn_kv: RPC0[h:1] sparse-attn side-cache buffer size =     0.25 MiB\n"))
+    place = {p["buffer"]: p for p in md.side_cache_placement(run, layers)}
+    assert place["CPU"]["sparse_layers"] == [5] and place["RPC0[h:1]"]["sparse_layers"] == [11]
+    assert place["CPU"]["expected_side_mib"] == pytest.approx(0.25)

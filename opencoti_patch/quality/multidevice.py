@@ -36,6 +36,7 @@ VARIANTS = ("local-dense", "split-dense", "split-selectall", "split-sparse", "lo
 _BUFFER_RE = re.compile(
     r"^\S+:\s+(\S+) (KV|sparse-attn side-cache|model|compute) buffer size =\s+([\d.]+) MiB", re.M)
 _LAYER_DEV_RE = re.compile(r"^llama_kv_cache: layer +(\d+): dev = (\S+)", re.M)
+_CACHE_RE = re.compile(r"creating\s+(non-SWA|SWA) KV cache")
 _ATTACH_RE = re.compile(r"sparse attention on: .*dense layers = (\d+),.* sparse layers = (\d+)")
 SERVER_EXES = ("ggml-rpc-server", "rpc-server")  # the tool's name in this pin, and in older trees
 _SPLITS_RE = re.compile(r"graph(?: \(pp bs=\d+, tg bs=\d+\))?: nodes = (\d+)(?: / (\d+))?, splits = (\d+)"
@@ -174,11 +175,20 @@ def run_variant(cfg: RpcCheckConfig, name: str, endpoint: str) -> VariantRun:
 
 
 def parse_layers(log_text: str) -> dict[str, Any]:
-    """The KV layer -> device map (llama_kv_cache's debug lines, harness -v) and the sparse layer rule of the
-    attach line (layers >= ``dense layers`` are sparse; the models checked here have no SWA layers)."""
-    devices = {int(m.group(1)): m.group(2) for m in _LAYER_DEV_RE.finditer(log_text)}
+    """The KV layer -> device map (llama_kv_cache's debug lines, harness -v), the layers of an iSWA model's
+    SWA cache (never sparse), and the dense-layer count of the attach line (layers >= it are sparse)."""
+    devices: dict[int, str] = {}
+    swa: set[int] = set()
+    in_swa = False
+    for line in log_text.splitlines():
+        if m := _CACHE_RE.search(line):
+            in_swa = m.group(1) == "SWA"
+        elif m := _LAYER_DEV_RE.match(line):
+            devices[int(m.group(1))] = m.group(2)
+            if in_swa:
+                swa.add(int(m.group(1)))
     m = _ATTACH_RE.search(log_text)
-    return {"devices": devices, "dense_layers": int(m.group(1)) if m else None,
+    return {"devices": devices, "swa": swa, "dense_layers": int(m.group(1)) if m else None,
             "sparse_layers": int(m.group(2)) if m else None}
 
 
@@ -190,7 +200,7 @@ def side_cache_placement(run: VariantRun, layers: dict[str, Any]) -> list[dict[s
     dense = layers["dense_layers"]
     sparse_on: dict[str, list[int]] = {}
     for il, dev in sorted(layers["devices"].items()):
-        if dense is not None and il >= dense:
+        if dense is not None and il >= dense and il not in layers["swa"]:
             sparse_on.setdefault(dev, []).append(il)
     n_sparse = sum(map(len, sparse_on.values()))
     per_layer = sum(side.values()) / n_sparse if n_sparse else None
