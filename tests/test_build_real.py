@@ -352,11 +352,12 @@ def test_rpc_refuses_a_server_of_another_patch_level(single_harness: Path, tmp_p
     assert server.hellos >= 1 and server.other_commands == [], (server.hellos, server.other_commands)
 
 
-_RPC_BUG = ("known bug (2026-12-02): Gemma 3 270M, layers 9-17 on a CPU ggml-rpc-server, 2 threads on both sides "
-            "(a 2-core machine), 512-token prompt ubatches: sparse decode gives wrong logits (top-1 agreement 0.53 "
-            "with sparse on one device, KL 1.59; the same every run), while dense and select-all are right in that "
-            "layout; right with 1 thread on either side, with -ub 1, with layers 6-17 or all on the server, or with "
-            "only layers 11 and 17 sparse. docs/results/multi-device.md. Remove this mark once fixed.")
+_RPC_BUG = ("known bug (2026-12-02): Gemma 3 270M, layers 9-17 on a CPU ggml-rpc-server, 2 threads on "
+            "both sides (a 2-core machine), 512-token prompt ubatches: sparse decode gives wrong logits "
+            "(top-1 agreement 0.53 with sparse on one device, KL 1.59; the same every run), while dense "
+            "and select-all are right in that layout; right with 1 thread on either side, with -ub 1, "
+            "with layers 6-17 or all on the server, or with only layers 11 and 17 sparse. "
+            "docs/results/multi-device.md. Remove this mark once fixed.")
 
 
 @needs_source
