@@ -160,3 +160,20 @@ def test_parse_layers_leaves_out_the_swa_cache() -> None:
     place = {p["buffer"]: p for p in md.side_cache_placement(run, layers)}
     assert place["CPU"]["sparse_layers"] == [5] and place["RPC0[h:1]"]["sparse_layers"] == [11]
     assert place["CPU"]["expected_side_mib"] == pytest.approx(0.25)
+
+
+def test_sparse_split_within_the_dense_layouts_own_difference(tmp_path: Path) -> None:
+    """Where the two layouts differ numerically (dense split != dense local), sparse split may differ from
+    sparse local as much, not more: the bar is 2x the dense difference + 1e-3 in mean KL."""
+    runs = _runs(tmp_path)
+    rows = np.fromfile(runs["local-dense"].dump, dtype=np.float32).reshape(-1, N_VOCAB).astype(np.float64)
+    _dump(runs["split-dense"].dump, rows + 0.01)  # the same shift everywhere: KL 0, not identical
+    _dump(runs["split-selectall"].dump, rows + 0.01)
+    wobble = np.random.default_rng(2).normal(scale=0.02, size=rows.shape)
+    sparse = np.fromfile(runs["local-sparse"].dump, dtype=np.float32).reshape(-1, N_VOCAB).astype(np.float64)
+    _dump(runs["split-sparse"].dump, sparse + wobble)  # small KL: passes
+    out = md.evaluate(runs, N_VOCAB)
+    assert out["passed"], out["checks"]
+    _dump(runs["split-sparse"].dump, sparse + 40 * wobble)  # far from sparse local: fails
+    bad = {c["name"] for c in md.evaluate(runs, N_VOCAB)["checks"] if not c["ok"]}
+    assert bad == {"sparse split = sparse local"}

