@@ -56,14 +56,15 @@ def _splits(text: str) -> list[recall.Split]:
     return out
 
 
-def _feasible(shares: list[float], n_ctx: int, splits: list[recall.Split]) -> list[float]:
+def _feasible(shares: list[float], n_ctx: int, splits: list[recall.Split],
+              block: int = needle.BLOCK) -> list[float]:
     """The shares that leave at least one top-k block at this context with some split (the others are only
     sink + recent)."""
     out = []
     for share in shares:
         for split in splits:
             try:
-                recall.budget_for(n_ctx, share, needle.BLOCK, needle.SINK, split)
+                recall.budget_for(n_ctx, share, block, needle.SINK, split)
             except OpencotiError:
                 continue
             out.append(share)
@@ -237,13 +238,20 @@ def prose_pack_command(prose_dirs: tuple[Path, ...], out_file: Path) -> None:
 @click.option("--scale", type=float, help="Softmax scale (default: 1/sqrt(head dim)).")
 @click.option("--q-last", type=int, default=256, show_default=True, help="Decode steps (queries) per text.")
 @click.option("--recent", "recent", default=str(needle.RECENT), show_default=True, help=_RECENT_HELP)
+@click.option("--block", type=int, default=needle.BLOCK, show_default=True,
+              help="The selection unit in cells (the series selects 128-cell blocks; smaller units show what "
+                   "a finer selection would keep at the same attended budget).")
 def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
                    seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, ngl: int,
                    harness_args: tuple[str, ...], texts: str,
                    layers: str, shares: str, scorers: str, scale: float | None, q_last: int,
-                   recent: str) -> None:
+                   recent: str, block: int) -> None:
     """Share of the dense attention mass each scorer's selection keeps, vs the oracle and the window."""
     import random  # noqa: PLC0415
+
+    if block <= 0 or needle.SINK % block:
+        raise click.BadParameter(f"need a positive divisor of the {needle.SINK}-token sink",
+                                 param_hint="--block")
     import subprocess  # noqa: PLC0415
 
     t0 = time.monotonic()
@@ -281,7 +289,7 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
                     raise click.ClickException(f"{dump}: the text gave {k.shape[0]} tokens, {n_ctx} needed")
                 sc = scale if scale is not None else 1.0 / math.sqrt(k.shape[2])
                 per_layer[f"{i}/{layer}"] = recall.layer_recall(
-                    q, k, scale=sc, block=needle.BLOCK, shares=_feasible(share_list, n_ctx, split_list),
+                    q, k, scale=sc, block=block, shares=_feasible(share_list, n_ctx, split_list, block),
                     scorers=scorer_list, sink=needle.SINK, recent=split_list[0], splits=multi)
         table[str(n_ctx)] = recall.aggregate(per_layer)
         n_texts[str(n_ctx)] = count
@@ -289,7 +297,7 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
     data = {"command": _command(), "layers": layer_ids, "q_last": q_last, "table": table, "texts": n_texts,
             "scorers": [s.name for s in scorer_list], "splits": [s.name for s in multi],
             "seconds": time.monotonic() - t0}
-    _save(out_dir, name, "recall", data, env.meta(split_list))
+    _save(out_dir, name, "recall", data, env.meta(split_list) | {"block": block})
 
 
 @selector_group.command("needles")
