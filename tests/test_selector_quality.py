@@ -317,3 +317,14 @@ def test_passkey_harness_context_has_headroom_for_a_long_prompt(tmp_path: Path,
                              fixed_tokens=[], seed=1, threads=1, log_dir=tmp_path, per_doc=1)
     assert seen == [8192 + needle.CTX_HEADROOM]
     assert res["contexts"]["8192"]["prompt_tokens"] == [8189, 8189]
+
+
+def test_recall_block_must_divide_the_sink(tmp_path: Path) -> None:
+    """`selector recall --block`: a unit that does not divide the 128-token sink is refused at once."""
+    from click.testing import CliRunner  # noqa: PLC0415
+
+    from opencoti_patch.cli.main import cli  # noqa: PLC0415
+
+    res = CliRunner().invoke(cli, ["selector", "recall", "--build", str(tmp_path), "--layers", "5",
+                                   "--block", "48"])
+    assert res.exit_code == 2 and "--block" in res.output, res.output
