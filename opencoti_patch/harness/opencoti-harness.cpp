@@ -505,7 +505,8 @@ int main(int argc, char ** argv) {
            << ",\n  \"n_decode\": " << h.n_decode << ",\n  \"rows\": " << h.n_decode + 1
            << ",\n  \"seed\": " << seed << ",\n  \"teacher_forced\": " << (teacher.empty() ? "false" : "true")
            << ",\n  \"state_size\": " << state_size << ",\n  \"ms_prefill\": " << ms_prefill
-           << ",\n  \"ms_decode\": " << ms_decode << ",\n  \"decode_tokens\": [";
+           << ",\n  \"ms_decode\": " << ms_decode << ",\n  \"graphs_reused\": " << llama_perf_context(ctx).n_reused
+           << ",\n  \"decode_tokens\": [";
         for (size_t i = 0; i < fed.size(); ++i) {
             js << (i ? ", " : "") << fed[i];
         }
