@@ -30,19 +30,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..build.identical import parse_log_facts
 from ..errors import CheckFailed, OpencotiError
 from .evaluate import compare_logits
 
 VARIANTS = ("local-dense", "split-dense", "split-selectall", "split-sparse", "local-sparse")
 
-_BUFFER_RE = re.compile(
-    r"^\S+:\s+(\S+) (KV|sparse-attn side-cache|model|compute) buffer size =\s+([\d.]+) MiB", re.M)
+_SIDE_CACHE_RE = re.compile(r"^\S+:\s+(\S+) sparse-attn side-cache buffer size =\s+([\d.]+) MiB", re.M)
+_MIB_RE = re.compile(r"^(\S+) ([\d.]+) MiB$")  # a buffer fact of parse_log_facts: "CPU 16.00 MiB"
+_NODES_SPLITS_RE = re.compile(r"^nodes = (\d+)(?: / (\d+))?, splits = (\d+)(?: / (\d+))?")
 _LAYER_DEV_RE = re.compile(r"^llama_kv_cache: layer +(\d+): dev = (\S+)", re.M)
 _CACHE_RE = re.compile(r"creating\s+(non-SWA|SWA) KV cache")
 _ATTACH_RE = re.compile(r"sparse attention on: .*dense layers = (\d+),.* sparse layers = (\d+)")
 SERVER_EXES = ("ggml-rpc-server", "rpc-server")  # the tool's name in this pin, and in older trees
-_SPLITS_RE = re.compile(r"graph(?: \(pp bs=\d+, tg bs=\d+\))?: nodes = (\d+)(?: / (\d+))?, splits = (\d+)"
-                        r"(?: / (\d+))?")
 
 
 @dataclass(frozen=True)
@@ -126,17 +126,21 @@ def rpc_server(exe: Path, host: str, port: int, log: Path, device: str | None = 
 
 
 def parse_buffers(log_text: str) -> list[dict[str, Any]]:
-    """The buffer lines of a llama.cpp log: model, KV, side-cache and compute buffers by buffer name."""
-    return [{"buffer": m.group(1), "kind": m.group(2), "mib": float(m.group(3))}
-            for m in _BUFFER_RE.finditer(log_text)]
+    """The KV buffers (verify-identical's log facts) and the sparse-attn side-cache buffers of a llama.cpp
+    log, by buffer name."""
+    out = [{"buffer": m.group(1), "kind": "KV", "mib": float(m.group(2))}
+           for fact in parse_log_facts(log_text)["kv_buffer"] if (m := _MIB_RE.match(fact))]
+    return out + [{"buffer": m.group(1), "kind": "sparse-attn side-cache", "mib": float(m.group(2))}
+                  for m in _SIDE_CACHE_RE.finditer(log_text)]
 
 
 def parse_graph(log_text: str) -> dict[str, int]:
-    """Nodes and splits of the reserved graphs (``graph: nodes = N, splits = S`` or the pp / tg pair)."""
-    found = list(_SPLITS_RE.finditer(log_text))
-    if not found:
+    """Nodes and splits of the last reserved graph (verify-identical's ``graph`` log fact: ``nodes = N,
+    splits = S`` or the pp / tg pair)."""
+    facts = parse_log_facts(log_text)["graph"]
+    m = _NODES_SPLITS_RE.match(facts[-1]) if facts else None
+    if m is None:
         return {}
-    m = found[-1]
     nodes_pp, nodes_tg, splits_pp, splits_tg = m.groups()
     return {"nodes_pp": int(nodes_pp), "nodes_tg": int(nodes_tg or nodes_pp),
             "splits_pp": int(splits_pp), "splits_tg": int(splits_tg or splits_pp)}
