@@ -160,6 +160,11 @@ def test_parse_layers_leaves_out_the_swa_cache() -> None:
     place = {p["buffer"]: p for p in md.side_cache_placement(run, layers)}
     assert place["CPU"]["sparse_layers"] == [5] and place["RPC0[h:1]"]["sparse_layers"] == [11]
     assert place["CPU"]["expected_side_mib"] == pytest.approx(0.25)
+    # the KV of both caches of an iSWA model counts
+    two = md.parse_buffers("llama_kv_cache:        CPU KV buffer size =     4.00 MiB\n"
+                           "llama_kv_cache:        CPU KV buffer size =     8.00 MiB\n")
+    run2 = md.VariantRun("y", [], Path("y"), Path("y"), {}, two)
+    assert md.side_cache_placement(run2, layers)[0]["kv_mib"] == pytest.approx(12.0)
 
 
 def test_sparse_split_within_the_dense_layouts_own_difference(tmp_path: Path) -> None:

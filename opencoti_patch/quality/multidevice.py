@@ -203,8 +203,11 @@ def parse_layers(log_text: str) -> dict[str, Any]:
 def side_cache_placement(run: VariantRun, layers: dict[str, Any]) -> list[dict[str, Any]]:
     """Per buffer: KV MiB, side-cache MiB, the sparse layers whose K the device holds, and the side-cache
     expected there (that count x the size of one layer's key sums): equal when the key sums follow the K."""
-    kv = {b["buffer"]: b["mib"] for b in run.buffers if b["kind"] == "KV"}
-    side = {b["buffer"]: b["mib"] for b in run.buffers if b["kind"] == "sparse-attn side-cache"}
+    kv: dict[str, float] = {}
+    side: dict[str, float] = {}
+    for b in run.buffers:  # per buffer name, over the caches (an iSWA model has two KV caches)
+        into = kv if b["kind"] == "KV" else side
+        into[b["buffer"]] = into.get(b["buffer"], 0.0) + b["mib"]
     dense = layers["dense_layers"]
     sparse_on: dict[str, list[int]] = {}
     for il, dev in sorted(layers["devices"].items()):
