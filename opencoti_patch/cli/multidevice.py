@@ -37,7 +37,8 @@ def multidevice_group() -> None:
               help="The same model on the local device only (the reference of the sparse run).")
 @click.option("--server-device", help="ggml-rpc-server -d (e.g. CUDA0; default: the server's own default).")
 @click.option("--prompt-tokens", type=int, default=2048, show_default=True)
-@click.option("--decode", type=int, default=16, show_default=True, help="Greedy decode steps.")
+@click.option("--decode", type=int, default=16, show_default=True,
+              help="Decode steps: greedy in the first variant (local dense), fed to the others.")
 @click.option("--ctx", type=int, default=4096, show_default=True)
 @click.option("--topk", type=int, default=4, show_default=True, help="Top-k blocks of the sparse variant.")
 @click.option("-t", "--threads", type=int, default=2, show_default=True)

@@ -248,11 +248,11 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
                    recent: str, block: int) -> None:
     """Share of the dense attention mass each scorer's selection keeps, vs the oracle and the window."""
     import random  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
 
     if block <= 0 or needle.SINK % block:
         raise click.BadParameter(f"need a positive divisor of the {needle.SINK}-token sink",
                                  param_hint="--block")
-    import subprocess  # noqa: PLC0415
 
     t0 = time.monotonic()
     env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
