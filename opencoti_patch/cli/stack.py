@@ -305,7 +305,7 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
     if pending and pending.get("names_stop"):
         text += (f"\n{pending['current']['patch']} applied, but git merged marked regions that name what "
                  "the old upstream had and the new upstream and tree have nowhere "
-                 f"({apply_mod.NAMES_RULE}, listed above): check each region for the identifiers named (a "
+                 f"({pending['names_stop']}, listed above): check each region for the identifiers named (a "
                  "member or API upstream renamed or dropped: port the code, not just its place); the step "
                  f"is staged in the tree. Then `{settings.command('rebase --continue')}` (commits the tree "
                  "as it stands, also when you judge the code right), or --skip / --abort")
@@ -326,7 +326,7 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
     if pending:
         current = pending["current"]
         if pending.get("names_stop"):
-            raise PatchFailed(f"{current['patch']} stopped by the names check ({apply_mod.NAMES_RULE}) in "
+            raise PatchFailed(f"{current['patch']} stopped by the names check ({pending['names_stop']}) in "
                               f"{', '.join(current['files'])}: check the regions listed")
         raise PatchFailed(f"{current['patch']} {current['status']} in {', '.join(current['files'])}")
 

@@ -29,7 +29,6 @@ from .tree import Tree, TreeDiff, commit_message
 from .upstream import Pin, Upstream, load_upstream, materialize, set_default_pin
 
 CLEAN, MERGED, CONFLICTED, FAILED = "clean", "merged", "conflicted", "failed"
-NAMES_RULE = "names-clean-merge"  # the rule name of what ``NamesCheck`` flags (markers/resolve.py)
 AUTO = "auto-resolved"  # 3-way merge conflicted and every conflict block was resolved by a rule
 APPLIED_OK = (CLEAN, MERGED, AUTO)
 
@@ -252,13 +251,13 @@ def names_stop(tree: Tree, state: dict[str, Any], outcome: dict[str, Any], check
     if not flagged:
         return False
     files = sorted({f["file"] for f in flagged})
+    rule = flagged[0]["rule"]  # the check's rule name (names-clean-merge): the stop is named by it
     was = f"{outcome['status']}: {outcome['detail']}" if outcome.get("detail") else outcome["status"]
     state["current"] = outcome | {
         "status": CONFLICTED, "files": files, "left": flagged, "hunk": None, "line": None,
-        "detail": (f"{was}; {len(flagged)} marked region(s) name what upstream removed "
-                   f"({NAMES_RULE}): check them"),
+        "detail": f"{was}; {len(flagged)} marked region(s) name what upstream removed ({rule}): check them",
     }
-    state["names_stop"] = True
+    state["names_stop"] = rule
     _save_rebase(tree, state)
     return True
 
@@ -455,7 +454,7 @@ def rebase_waiting(tree: Tree, state: dict[str, Any]) -> str:
     current = (state.get("current") or {}).get("patch", "?")
     if state.get("names_stop"):
         return (f"a rebase onto {state['to']} is in progress ({current} stopped: marked regions git merged "
-                f"name what upstream removed, {NAMES_RULE}): check them and "
+                f"name what upstream removed, {state['names_stop']}): check them and "
                 f"`{cmd('rebase --continue')}`, or `--skip` / `--abort`")
     return (f"a rebase onto {state['to']} is in progress ({current} conflicted): resolve it and "
             f"`{cmd('rebase --continue')}`, or `--skip` / `--abort`")
