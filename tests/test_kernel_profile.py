@@ -55,3 +55,36 @@ def test_steps_split_only_at_idle_gaps(tmp_path: Path) -> None:
     steps = kp.split_steps(kp.read_trace(str(trace)), gap_ns=30_000)
     assert len(steps) == 1
     assert kp.group_steps(steps, min_steps=2) == []
+
+
+def test_host_gap_split_into_cuda_calls_and_own_work(tmp_path: Path) -> None:
+    """With runtime API records (kind R) a gap splits into time inside CUDA calls, per call and clipped to
+    the gap, and the time outside any call (overlapping calls counted once)."""
+    kp = _load()
+    trace = tmp_path / "t.tsv"
+    _trace(trace, steps=5, step_gap_ns=200_000)
+    lines = trace.read_text().splitlines()
+    t_end = 1_000 + 15_000  # end of the first step
+    for i in range(4):
+        w0 = t_end + i * 215_000
+        # the sync of the previous step ends 5 us into the gap; 100 us of own work; a 20 us memcpy call;
+        # a 30 us graph launch that overlaps a 10 us call inside it; the rest of the gap is own work again
+        lines.append(f"R\t{w0 - 8_000}\t{w0 + 5_000}\t0\t0\t0,0,0\t0,0,0\tcudaStreamSynchronize")
+        lines.append(f"R\t{w0 + 105_000}\t{w0 + 125_000}\t0\t0\t0,0,0\t0,0,0\tcudaMemcpyAsync")
+        lines.append(f"R\t{w0 + 150_000}\t{w0 + 180_000}\t0\t0\t0,0,0\t0,0,0\tcudaGraphLaunch")
+        lines.append(f"R\t{w0 + 160_000}\t{w0 + 170_000}\t0\t0\t0,0,0\t0,0,0\tcudaEventRecord")
+    trace.write_text("\n".join(lines) + "\n")
+    acts = kp.read_trace(str(trace))
+    api = [a for a in acts if a.kind == "R"]
+    gpu = [a for a in acts if a.kind != "R"]
+    (group,) = kp.group_steps(kp.split_steps(gpu, gap_ns=30_000), min_steps=4)
+    host = kp.summarize(group, api)["host"]
+    assert host["outside_cuda_us_median"] == 200.0 - 5.0 - 20.0 - 30.0
+    assert host["cuda_calls_us_median"] == {
+        "cudaGraphLaunch": 30.0,
+        "cudaMemcpyAsync": 20.0,
+        "cudaEventRecord": 10.0,
+        "cudaStreamSynchronize": 5.0,
+    }
+    assert "outside CUDA calls" in kp.render([kp.summarize(group, api)], top=5)
+    assert kp.summarize(group)["host"] is None  # no API records: no split

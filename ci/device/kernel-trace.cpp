@@ -6,8 +6,11 @@
 //   CUDA_INJECTION64_PATH=$PWD/libkernel-trace.so OPENCOTI_TRACE_OUT=trace.tsv <program> ...
 //
 // At exit it writes one line per GPU activity (kernels, memsets, memcpys; also those replayed inside CUDA
-// graphs), sorted by start time: kind, start ns, end ns, graph id, stream id, grid, block, name (mangled, as the
-// driver reports it). `python3 ci/device/kernel_profile.py trace.tsv` turns it into a per-step profile.
+// graphs) and per CUDA runtime API call (kind R: the host thread's time inside cudaGraphLaunch,
+// cudaMemcpyAsync, cudaStreamSynchronize, ...; CUPTI puts GPU and host timestamps on one clock), sorted by
+// start time: kind, start ns, end ns, graph id, stream id, grid, block, name (mangled, as the driver reports
+// it). `python3 ci/device/kernel_profile.py trace.tsv` turns it into a per-step profile, and splits the host
+// time between two steps into time inside CUDA calls (by call) and time outside them (the program's own work).
 // Tracing adds a few microseconds per launch at most (activity records are buffered, not called back per
 // kernel); the timings are the GPU's own timestamps.
 
@@ -25,7 +28,7 @@
 namespace {
 
 struct trace_record {
-    char          kind; // 'K' kernel, 'S' memset, 'C' memcpy
+    char          kind; // 'K' kernel, 'S' memset, 'C' memcpy, 'R' runtime API call (host time)
     uint64_t      start;
     uint64_t      end;
     uint32_t      graph_id;
@@ -87,6 +90,15 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t * buffer, size_t, si
                 set_span(r, 'C', m);
                 r.name      = "memcpy" + std::to_string((int) m->copyKind) + ":" + std::to_string(m->bytes);
             } break;
+            case CUPTI_ACTIVITY_KIND_RUNTIME: {
+                const auto * a = (const CUpti_ActivityAPI *) rec;
+                r.kind      = 'R';
+                r.start     = a->start;
+                r.end       = a->end;
+                const char * name = nullptr;
+                cuptiGetCallbackName(CUPTI_CB_DOMAIN_RUNTIME_API, a->cbid, &name);
+                r.name      = name ? name : "cbid" + std::to_string(a->cbid);
+            } break;
             default:
                 continue;
         }
@@ -140,6 +152,7 @@ extern "C" int InitializeInjection(void) {
     }
     const CUpti_ActivityKind kinds[] = {
         CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMSET, CUPTI_ACTIVITY_KIND_MEMCPY,
+        CUPTI_ACTIVITY_KIND_RUNTIME,
     };
     for (CUpti_ActivityKind kind : kinds) {
         res = cuptiActivityEnable(kind);

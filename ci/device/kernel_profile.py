@@ -12,12 +12,15 @@ their predecessor ends and wait on the GPU, so their durations overlap: *exclusi
 what an activity adds past everything that started before it (the exclusive times of a step add up
 to its span minus idle time). *gap* is the idle time from the end of a step to the start of the next
 step of the same group: host work between two decode tokens (graph build, inputs such as the KQ
-mask, sampling).
+mask, sampling). Where the trace has the runtime API calls (kind R), each gap is split into the time
+inside CUDA calls, per call (cudaGraphLaunch, cudaMemcpyAsync, ...; clipped to the gap) and the time
+outside any CUDA call: the program's own host work (medians over the gaps).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 import shutil
@@ -40,6 +43,7 @@ class Group:
     signature: tuple[str, ...]
     steps: list[list[Activity]] = field(default_factory=list)
     gaps: list[int] = field(default_factory=list)  # ns from the end of a step to the next step of this group
+    gap_windows: list[tuple[int, int]] = field(default_factory=list)  # (end of a step, start of the next), ns
 
 
 def demangle(names: set[str]) -> dict[str, str]:
@@ -108,6 +112,7 @@ def group_steps(steps: list[list[Activity]], min_steps: int) -> list[Group]:
         g.steps.append(s)
         if prev is not None and prev[0] == sig:
             g.gaps.append(s[0].start - prev[1])
+            g.gap_windows.append((prev[1], s[0].start))
         prev = (sig, max(a.end for a in s))
     out = [g for g in groups.values() if len(g.steps) >= min_steps and g.signature]
     out.sort(key=lambda g: (g.steps[0][0].start))
@@ -122,7 +127,43 @@ def label(g: Group) -> str:
     return f"{sparse} {phase}"
 
 
-def summarize(g: Group) -> dict:
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else 0.0
+
+
+def host_breakdown(windows: list[tuple[int, int]], api: list[Activity]) -> dict | None:
+    """The host gaps between steps split into time inside CUDA runtime calls (per call, clipped to the gap)
+    and time outside any of them; medians over the gaps, in µs. None without API records."""
+    if not api or not windows:
+        return None
+    starts = [a.start for a in api]  # api is sorted by start
+    longest = max(a.end - a.start for a in api)
+    outside: list[float] = []
+    per_call: dict[str, list[float]] = defaultdict(list)
+    for w0, w1 in windows:
+        inside: dict[str, int] = defaultdict(int)
+        union = 0
+        covered = w0
+        for a in api[bisect.bisect_left(starts, w0 - longest) : bisect.bisect_right(starts, w1)]:
+            c0, c1 = max(a.start, w0), min(a.end, w1)
+            if c1 <= c0:
+                continue
+            inside[a.name] += c1 - c0
+            union += max(0, c1 - max(c0, covered))
+            covered = max(covered, c1)
+        outside.append((w1 - w0 - union) / 1e3)
+        for name in set(per_call) | set(inside):
+            per_call[name].append(inside.get(name, 0) / 1e3)
+    n = len(windows)
+    calls = {name: _median(v + [0.0] * (n - len(v))) for name, v in per_call.items()}
+    return {
+        "outside_cuda_us_median": _median(outside),
+        "cuda_calls_us_median": dict(sorted(calls.items(), key=lambda kv: -kv[1])),
+    }
+
+
+def summarize(g: Group, api: list[Activity] | None = None) -> dict:
     n = len(g.steps)
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # calls, ns, exclusive ns
     busy = span = 0
@@ -155,6 +196,7 @@ def summarize(g: Group) -> dict:
         "busy_us_per_step": busy / n / 1e3,
         "span_us_per_step": span / n / 1e3,
         "gap_us_median": gaps[len(gaps) // 2] / 1e3 if gaps else None,
+        "host": host_breakdown(g.gap_windows, api or []),
         "kernels": kernels,
     }
 
@@ -168,6 +210,14 @@ def render(groups: list[dict], top: int) -> str:
             f"{g['activities_per_step']} activities per step, "
             f"GPU busy {g['busy_us_per_step']:.1f} µs, span {g['span_us_per_step']:.1f} µs per step{gap}\n"
         )
+        host = g.get("host")
+        if host:
+            top_calls = list(host["cuda_calls_us_median"].items())[:6]
+            calls = ", ".join(f"`{k}` {v:.1f}" for k, v in top_calls if v > 0)
+            out.append(
+                f"Host gap (median): {host['outside_cuda_us_median']:.1f} µs outside CUDA calls; "
+                f"inside: {calls or 'none'} (µs).\n"
+            )
         out.append("| kernel | calls/step | exclusive µs/step | share of span | µs/step | µs/call |")
         out.append("|---|---:|---:|---:|---:|---:|")
         for k in g["kernels"][:top]:
@@ -193,9 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     if not acts:
         print(f"{args.trace}: no activities", file=sys.stderr)
         return 1
-    steps = split_steps(acts, int(args.gap_us * 1e3))
-    groups = [summarize(g) for g in group_steps(steps, args.min_steps)]
-    print(f"{len(acts)} activities, {len(steps)} steps, {len(groups)} groups of >= {args.min_steps} steps\n")
+    api = [a for a in acts if a.kind == "R"]
+    gpu = [a for a in acts if a.kind != "R"]
+    if not gpu:
+        print(f"{args.trace}: no GPU activities", file=sys.stderr)
+        return 1
+    steps = split_steps(gpu, int(args.gap_us * 1e3))
+    groups = [summarize(g, api) for g in group_steps(steps, args.min_steps)]
+    print(
+        f"{len(gpu)} GPU activities, {len(api)} CUDA calls, {len(steps)} steps, "
+        f"{len(groups)} groups of >= {args.min_steps} steps\n"
+    )
     print(render(groups, args.top))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
