@@ -50,6 +50,28 @@ def test_ratios_pair_sparse_with_dense_of_same_depth(tmp_path: Path) -> None:
     assert "**2.60×**" in table and "| 131072 |" in table
 
 
+def test_longctx_reports_pair_by_name(tmp_path: Path) -> None:
+    """h200.sh `longctx`: harness JSONs named longctx-KV-DEPTH-dense / -kK-bB become 8b-synth rows
+    (decode_tps); a report whose depth disagrees with its name, one without a timed step and other files
+    are left out."""
+    res = tmp_path / "log"
+    res.mkdir()
+
+    def js(name: str, depth: int, tps: float) -> None:
+        (res / f"{name}.json").write_text(json.dumps({"synthetic_depth": depth, "decode_tps": tps}))
+
+    js("longctx-f16-524288-dense", 524288, 40.0)
+    js("longctx-f16-524288-k32-b128", 524288, 200.0)
+    js("longctx-q8_0-1048576-dense", 1048576, 0.0)        # no timed step
+    js("longctx-q8_0-1048576-k32-b128", 131072, 90.0)     # not the depth its name says
+    js("longctx-f16-524288-dense-profile", 524288, 1.0)   # the tracer's profile, not a harness report
+    rows = bench.load_results(res)
+    assert [(r.model, r.kv, r.depth, r.sparse, r.budget) for r in rows] == [
+        (bench.SYNTH_MODEL, "f16", 524288, False, 0), (bench.SYNTH_MODEL, "f16", 524288, True, 32 * 128)]
+    (c,) = bench.ratios(rows)
+    assert c["ratio"] == pytest.approx(5.0)
+
+
 def test_sparse_row_without_dense_has_no_ratio() -> None:
     rows = bench.parse_llama_bench([_rec(4096, 1, 10.0)], "m")
     assert bench.ratios(rows)[0]["ratio"] is None

@@ -363,3 +363,34 @@ def test_rpc_split_layout_real_model(selfcheck: b.BuildResult, single_harness: P
                             threads=2)
     result = md.run_rpc_check(cfg)
     assert result["passed"], result["checks"]
+
+
+@needs_source
+def test_harness_synthetic_depth(selfcheck: b.BuildResult, single_harness: Path, tmp_path: Path) -> None:
+    """--synthetic-depth (the 512K-1M decode benchmark of ci/device/h200.sh `longctx`): tiled to its own
+    length the prompt's state loads back exactly (the decode logits bitwise those without the option); tiled
+    to 3x, the sequence ends at the depth and decodes, dense and sparse; a state it cannot tile is refused."""
+    model = synth_gguf.write_llama_gguf(tmp_path / "tiny.gguf", synth_gguf.SHAPES["tiny"], "f16",
+                                        tree=selfcheck.src)
+
+    def run(name: str, *extra: str) -> tuple[dict, bytes]:
+        js, dump = tmp_path / f"{name}.json", tmp_path / f"{name}.bin"
+        cmd = [str(single_harness), "-m", str(model), "-t", "2", "-fa", "on", "-c", "2048", "--prompt-tokens",
+               "512", "--decode", "4", "--json", str(js), "--dump-logits", str(dump), *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(js.read_text()), dump.read_bytes()
+
+    plain, plain_logits = run("plain")
+    same, same_logits = run("same", "--synthetic-depth", "512")
+    assert same["synthetic_depth"] == 512 and same["pos_max_loaded"] == 511
+    assert same_logits == plain_logits  # row 0 (the prompt) and the 4 decode rows
+    for sa in ("off", "on"):
+        deep, deep_logits = run(f"deep-{sa}", "--synthetic-depth", "1536", "--warmup", "1",
+                                "--sparse-attn", sa, "--sparse-attn-topk", "2")
+        assert deep["pos_max_loaded"] == 1535 and deep["decode_tps"] > 0, deep
+        row = len(plain_logits) // 5
+        assert deep_logits[:row] == plain_logits[:row]  # the prompt row
+    bad = subprocess.run([str(single_harness), "-m", str(model), "--prompt-tokens", "512",
+                          "--synthetic-depth", "256"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--synthetic-depth" in bad.stderr

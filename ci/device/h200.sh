@@ -22,7 +22,10 @@
 # quality (ci/device/quality.sh fg: issue 10's selector quality on real prose, Gemma 3 270M), batched4,
 # rpc (issue 15: layers split between CUDA0 and a ggml-rpc-server on loopback, ci/device/rpc.sh),
 # profile (a kernel timeline of llama-bench at each of PROFILE_DEPTHS, default 131072, dense and sparse, and with
-# PROFILE_PP="off on" of a 32K prompt: kernel-trace.cpp + kernel_profile.py)
+# PROFILE_PP="off on" of a 32K prompt: kernel-trace.cpp + kernel_profile.py),
+# longctx (decode at a synthetic depth, LONGCTX_CASES "KV:DEPTH ..." default "f16:131072 f16:524288 q8_0:1048576",
+# dense and sparse (LONGCTX_TOPK x LONGCTX_BLOCK, default 32 x 128), traced: the harness's --synthetic-depth tiles a
+# 4096-token prompt's state to the depth; `bench report` reads the JSONs as model "8b-synth")
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072)
 set -u
 ROOT=$(pwd)
@@ -81,10 +84,23 @@ build_cuda() {
     local gen=() cuda=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
     command -v ninja >/dev/null && gen=(-G Ninja)
     [ "$CUDA" = 1 ] || cuda=(-DGGML_NATIVE=OFF -DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+    # llama-server in the same build when a stage needs it (BUILD_SERVER=1: no reconfigure later); no UI download
+    local server=OFF targets=(llama-bench llama-batched-bench test-backend-ops test-sparse-attn-kv ggml-rpc-server)
+    [ "${BUILD_SERVER:-0}" = 1 ] && { server=ON; targets+=(llama-server); }
     cmake -S "$SRC" -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${cuda[@]}" \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_UI=OFF -DGGML_RPC=ON &&
-    cmake --build "$BUILD" -j "$(nproc)" --target llama-bench llama-batched-bench test-backend-ops \
-        test-sparse-attn-kv ggml-rpc-server ${EXTRA_TARGETS:-}
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=$server -DLLAMA_BUILD_UI=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF -DGGML_RPC=ON &&
+    # shellcheck disable=SC2086
+    cmake --build "$BUILD" -j "$(nproc)" --target "${targets[@]}" ${EXTRA_TARGETS:-}
+}
+
+needs_server() { # stages...: true when one of them runs llama-server (serving, or quality with its served stage)
+    local s
+    for s in "$@"; do
+        [ "$s" = serving ] && return 0
+        [ "$s" = quality ] && [[ " ${QUALITY_STAGES:-} " == *" served "* ]] && return 0
+    done
+    return 1
 }
 
 write_models() {
@@ -113,6 +129,11 @@ build_tracer() { # the CUPTI tracer of ci/device/kernel-trace.cpp (the machine h
     [ -n "$lib" ] && [ -n "$inc" ] || { echo "CUPTI not found under $home"; return 1; }
     g++ -std=c++17 -O2 -shared -fPIC -I"$inc" "$ROOT/ci/device/kernel-trace.cpp" -L"$lib" -lcupti \
         -Wl,-rpath,"$lib" -o "$W/libkernel-trace.so"
+}
+
+build_harness_single() { # the logits harness of the package (opencoti-harness) against this build
+    cmake -S "$ROOT/opencoti_patch/harness" -B "$W/harness" -DCMAKE_BUILD_TYPE=Release -DLLAMA_SRC="$SRC" \
+        -DLLAMA_BIN="$BIN" && cmake --build "$W/harness" -j "$(nproc)" --target opencoti-harness
 }
 
 traced() { # name cmd...: run cmd under the tracer, then the per-step profile into $LOG/name.{md,json}
@@ -154,6 +175,7 @@ pipeline() {
 }
 
 start() {
+    needs_server "$@" && export BUILD_SERVER=1
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$LOG/gpu.txt" 2>&1
     nvcc --version >> "$LOG/gpu.txt" 2>&1
     if [ "${MODE:-}" = pipeline ]; then
@@ -233,6 +255,23 @@ start() {
         serving) # the load test on the 1B-shaped model when it was written (OPENCOTI_SHAPES has 1b), else the 8B
             local sm=$M8B; [ -f "$W/m-1b-q4_0.gguf" ] && sm=$W/m-1b-q4_0.gguf
             run_stage serving env BIN="$BIN" M8B="$sm" LOG="$LOG" BUILD="$BUILD" NGL=$NGL ROOT="$ROOT" bash ci/device/serving.sh ;;
+        longctx) # issue 12: decode at 128K-1M cells without the prefill (the harness's --synthetic-depth: a 4096-token
+            # prompt's K/V tiled to the depth through the state API), dense and sparse, under the kernel tracer
+            run_stage longctx-harness build_harness_single || continue
+            local tracer=0; run_stage build-tracer build_tracer && tracer=1
+            for c in ${LONGCTX_CASES:-f16:131072 f16:524288 q8_0:1048576}; do
+                local kv=${c%%:*} d=${c##*:} sa k=${LONGCTX_TOPK:-32} b=${LONGCTX_BLOCK:-128}
+                for sa in off on; do
+                    # the name carries what `bench report` needs: KV type, depth, dense or top-k x block
+                    local name=longctx-$kv-$d-dense; [ $sa = on ] && name=longctx-$kv-$d-k$k-b$b
+                    local cmd=("$W/harness/opencoti-harness" -m "$M8B" -ngl $NGL -fa on -ctk "$kv" -ctv "$kv" -t 8
+                        --prompt-tokens 4096 --synthetic-depth "$d" --decode "${LONGCTX_DECODE:-40}" --warmup 8
+                        --sparse-attn "$sa" --sparse-attn-topk "$k" --sparse-attn-block-size "$b"
+                        --json "$LOG/$name.json")
+                    if [ $tracer = 1 ]; then run_stage "$name" traced "$name-profile" "${cmd[@]}"
+                    else run_stage "$name" "${cmd[@]}"; fi
+                done
+            done ;;
         rpc) # issue 15 step 1: layers split between CUDA0 and an RPC server on loopback (ci/device/rpc.sh)
             run_stage rpc env BIN="$BIN" SRC="$SRC" M8B="$M8B" LOG="$LOG" NGL=$NGL ROOT="$ROOT" bash ci/device/rpc.sh ;;
         *) echo "unknown stage $s" >> "$LOG/status" ;;

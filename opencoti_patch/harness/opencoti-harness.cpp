@@ -14,6 +14,15 @@
 //   --json F               write a JSON summary (tokens, node counts, state size, timings)
 //   --count-nodes          count the graph nodes computed per llama_decode (eval callback; no effect
 //                          on the results)
+//   --warmup N             the first N decode steps are not timed (decode_tps in --json: the others)
+//   --synthetic-depth D    decode at a depth of D cells without a D-token prefill (a speed benchmark at
+//                          512K-1M, where a real prefill takes many minutes): the prompt (--prompt-tokens,
+//                          a few thousand) is prefilled for real, its sequence state is tiled to D cells at
+//                          positions 0..D-1 (the prompt's K/V rows repeated) and loaded back through
+//                          llama_state_seq_set_data, then decoding starts at position D. The attention reads
+//                          the same bytes per token as after a real prefill of D tokens; the logits are
+//                          meaningless. One KV cache only (not iSWA / hybrid models): anything else in the
+//                          state is refused.
 //   --backend-dir D        where to load the ggml backends from (default: the build it was linked to)
 //
 // Every other argument goes to llama.cpp's common argument parser when the harness is built with
@@ -36,8 +45,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
+#include <new>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #ifndef OPENCOTI_BACKEND_DIR
@@ -51,6 +63,8 @@ struct harness_args {
     int n_decode = 64;
     bool generate = false;
     bool count_nodes = false;
+    int n_warmup = 0;
+    int64_t synthetic_depth = 0;
     std::string dump_logits;
     std::string teacher_forced;
     std::string json_out;
@@ -266,11 +280,199 @@ bool parse_minimal(const std::vector<char *> & args, run_config & rc) {
 }
 #endif
 
+// A sequence state (llama_state_seq_get_data of one sequence, one KV cache, one stream) of C cells tiled to
+// n cells: positions 0..n-1, cell i holding the K/V rows (and the cell extension, if any) of cell i % C.
+// The layout (llama-context.cpp state_seq_get_data + llama-kv-cache.cpp state_write): magic u32, seq_id
+// i32, n_stream u32, cell_count u32, per cell {pos i32, n_seq_id u32 (= 1), [ext], seq_id i32}, v_trans
+// u32, n_layer u32, per layer {k_type i32, k_row u64, C rows}, then per layer V: {v_type i32, v_row u64,
+// C rows} or, transposed, {v_type i32, v_el u32, n_embd u32, n_embd x C elements}. The cell extension
+// (M-RoPE, token ids) is present when that gives an exact parse. Returns an empty vector (and says why)
+// when the state does not parse as that layout.
+struct state_reader {
+    const uint8_t * p;
+    size_t n;
+    size_t off = 0;
+    bool ok = true;
+    template <typename T> T get() {
+        T v{};
+        if (off + sizeof(T) > n) {
+            ok = false;
+            return v;
+        }
+        memcpy(&v, p + off, sizeof(T));
+        off += sizeof(T);
+        return v;
+    }
+    const uint8_t * take(size_t k) {
+        if (off + k > n) {
+            ok = false;
+            return nullptr;
+        }
+        const uint8_t * r = p + off;
+        off += k;
+        return r;
+    }
+};
+
+struct state_layout {
+    size_t meta_cell = 0;        // bytes per cell of meta
+    size_t meta_off = 0;         // offset of the first cell's meta
+    uint32_t cells = 0;
+    uint32_t v_trans = 0;
+    std::vector<size_t> k_off, k_row;               // per layer: offset of the rows, bytes per row
+    std::vector<size_t> v_off, v_row, v_el, v_embd;  // per layer (v_row: not transposed)
+    size_t head_k = 4 + 8, head_v = 4 + 8;          // bytes of a layer's header
+};
+
+bool parse_state(const std::vector<uint8_t> & st, size_t ext_size, state_layout & L) {
+    state_reader r{ st.data(), st.size() };
+    r.get<uint32_t>();  // magic
+    r.get<int32_t>();   // seq_id
+    if (r.get<uint32_t>() != 1) {
+        return false;   // n_stream
+    }
+    L.cells = r.get<uint32_t>();
+    L.meta_off = r.off;
+    L.meta_cell = 4 + 4 + ext_size + 4;
+    for (uint32_t i = 0; i < L.cells && r.ok; ++i) {
+        r.get<int32_t>();
+        if (r.get<uint32_t>() != 1) {
+            return false;
+        }
+        r.take(ext_size);
+        r.get<int32_t>();
+    }
+    L.v_trans = r.get<uint32_t>();
+    const uint32_t n_layer = r.get<uint32_t>();
+    if (!r.ok || L.v_trans > 1 || n_layer == 0 || n_layer > 4096) {
+        return false;
+    }
+    for (uint32_t il = 0; il < n_layer && r.ok; ++il) {
+        r.get<int32_t>();
+        const uint64_t row = r.get<uint64_t>();
+        L.k_row.push_back(row);
+        L.k_off.push_back(r.off);
+        r.take(row * L.cells);
+    }
+    for (uint32_t il = 0; il < n_layer && r.ok; ++il) {
+        r.get<int32_t>();
+        if (!L.v_trans) {
+            const uint64_t row = r.get<uint64_t>();
+            L.v_row.push_back(row);
+            L.v_off.push_back(r.off);
+            r.take(row * L.cells);
+        } else {
+            const uint32_t el = r.get<uint32_t>();
+            const uint32_t embd = r.get<uint32_t>();
+            L.v_el.push_back(el);
+            L.v_embd.push_back(embd);
+            L.v_off.push_back(r.off);
+            r.take((size_t) el * embd * L.cells);
+        }
+    }
+    L.head_v = L.v_trans ? 4 + 4 + 4 : 4 + 8;
+    return r.ok && r.off == st.size();
+}
+
+struct tiled_state {
+    std::unique_ptr<uint8_t[]> data;
+    size_t size = 0;
+};
+
+tiled_state tile_state(const std::vector<uint8_t> & st, uint32_t n) {
+    state_layout L;
+    bool parsed = false;
+    for (const size_t ext : { (size_t) 0, (size_t) 12 }) {
+        L = state_layout{};
+        if (parse_state(st, ext, L)) {
+            parsed = true;
+            break;
+        }
+    }
+    if (!parsed || L.cells == 0) {
+        fprintf(stderr, "error: --synthetic-depth: the sequence state does not parse as one KV cache with one "
+                        "stream (an iSWA or hybrid model, or another state layout)\n");
+        return {};
+    }
+    const size_t C = L.cells;
+    const size_t n_layer = L.k_row.size();
+
+    // where each part goes: the meta, then per layer K (header + n rows), then per layer V
+    struct part {
+        size_t src_head;  // offset of the layer's header in st
+        size_t head;      // its size
+        size_t src_rows;  // offset of its C cells
+        size_t cell;      // bytes per cell of one run (a row, or one element of a transposed V row)
+        size_t runs;      // runs of C cells (1, or n_embd for a transposed V)
+        size_t dst;       // offset of the header in the output
+    };
+    std::vector<part> parts;
+    size_t size = L.meta_off + (size_t) n * L.meta_cell + 8;
+    for (size_t il = 0; il < n_layer; ++il) {
+        parts.push_back({ L.k_off[il] - L.head_k, L.head_k, L.k_off[il], L.k_row[il], 1, size });
+        size += L.head_k + L.k_row[il] * n;
+    }
+    for (size_t il = 0; il < n_layer; ++il) {
+        const size_t cell = L.v_trans ? L.v_el[il] : L.v_row[il];
+        const size_t runs = L.v_trans ? L.v_embd[il] : 1;
+        parts.push_back({ L.v_off[il] - L.head_v, L.head_v, L.v_off[il], cell, runs, size });
+        size += L.head_v + cell * runs * n;
+    }
+
+    tiled_state out;
+    out.data.reset(new (std::nothrow) uint8_t[size]);  // not zeroed: every byte is written below
+    if (!out.data) {
+        fprintf(stderr, "error: --synthetic-depth: cannot allocate %.1f GiB for the state\n", size / 1073741824.0);
+        return {};
+    }
+    out.size = size;
+    uint8_t * o = out.data.get();
+    const uint8_t * src = st.data();
+
+    memcpy(o, src, L.meta_off - 4);  // magic, seq_id, n_stream
+    memcpy(o + L.meta_off - 4, &n, 4);
+    for (uint32_t i = 0; i < n; ++i) {  // positions 0..n-1, the rest of the meta of cell i % C
+        uint8_t * w = o + L.meta_off + (size_t) i * L.meta_cell;
+        memcpy(w, src + L.meta_off + (i % C) * L.meta_cell, L.meta_cell);
+        const int32_t pos = (int32_t) i;
+        memcpy(w, &pos, 4);
+    }
+    memcpy(o + L.meta_off + (size_t) n * L.meta_cell, src + L.meta_off + C * L.meta_cell, 8);  // v_trans, n_layer
+
+    // the layers in parallel (tens of GiB at 512K-1M cells)
+    auto fill = [&](size_t first, size_t step) {
+        for (size_t k = first; k < parts.size(); k += step) {
+            const part & pt = parts[k];
+            memcpy(o + pt.dst, src + pt.src_head, pt.head);
+            uint8_t * w = o + pt.dst + pt.head;
+            for (size_t r = 0; r < pt.runs; ++r) {
+                const uint8_t * rows = src + pt.src_rows + r * C * pt.cell;
+                for (size_t done = 0; done < n; ) {
+                    const size_t k_cells = std::min<size_t>(C, n - done);
+                    memcpy(w, rows, k_cells * pt.cell);
+                    w += k_cells * pt.cell;
+                    done += k_cells;
+                }
+            }
+        }
+    };
+    const size_t n_threads = std::max<size_t>(1, std::min<size_t>(16, std::thread::hardware_concurrency()));
+    std::vector<std::thread> workers;
+    for (size_t t = 0; t < n_threads; ++t) {
+        workers.emplace_back(fill, t, n_threads);
+    }
+    for (auto & t : workers) {
+        t.join();
+    }
+    return out;
+}
+
 void print_usage(int /*argc*/, char ** argv) {
     fprintf(stderr,
             "usage: %s -m MODEL [-c N] [-ctk T -ctv T] [-fa on|off] [--prompt-tokens N | -f FILE] [-s SEED]\n"
             "          [--decode N | --generate N] [--teacher-forced FILE] [--dump-logits FILE] [--json FILE]\n"
-            "          [--count-nodes] [--backend-dir DIR] [any llama.cpp common flag]\n",
+            "          [--count-nodes] [--warmup N] [--synthetic-depth D] [--backend-dir DIR]\n"
+            "          [any llama.cpp common flag]\n",
             argv[0]);
 }
 
@@ -298,15 +500,24 @@ int main(int argc, char ** argv) {
     std::vector<char *> rest = { argv[0] };
     for (int i = 1; i < argc; ++i) {
         const std::string a = argv[i];
-        if (a == "--prompt-tokens" || a == "--decode" || a == "--generate") {
+        if (a == "--prompt-tokens" || a == "--decode" || a == "--generate" || a == "--warmup" ||
+            a == "--synthetic-depth") {
             if (!need_value(i, argc, argv[i])) {
                 return 2;
             }
-            const int v = std::atoi(argv[++i]);
+            const long long v = std::atoll(argv[++i]);
+            if (v < 0 || v > INT32_MAX) {
+                fprintf(stderr, "error: %s %lld is out of range\n", a.c_str(), v);
+                return 2;
+            }
             if (a == "--prompt-tokens") {
-                h.n_prompt = v;
+                h.n_prompt = (int) v;
+            } else if (a == "--warmup") {
+                h.n_warmup = (int) v;
+            } else if (a == "--synthetic-depth") {
+                h.synthetic_depth = v;
             } else {
-                h.n_decode = v;
+                h.n_decode = (int) v;
                 h.generate = (a == "--generate");
             }
         } else if (a == "--dump-logits" || a == "--teacher-forced" || a == "--json" || a == "--backend-dir") {
@@ -359,8 +570,19 @@ int main(int argc, char ** argv) {
 #endif
     const uint64_t seed = rc.seed == LLAMA_DEFAULT_SEED ? 42 : rc.seed;
     const bool text_prompt = !rc.prompt.empty();
+    if (h.synthetic_depth > 0 && (text_prompt || h.synthetic_depth < h.n_prompt || !h.teacher_forced.empty())) {
+        fprintf(stderr, "error: --synthetic-depth needs a random prompt (--prompt-tokens, not -f or "
+                        "--teacher-forced) of at most that many tokens\n");
+        return 2;
+    }
+    if (h.n_warmup >= h.n_decode && h.n_warmup > 0) {
+        fprintf(stderr, "error: --warmup %d leaves no timed decode step of --decode %d\n", h.n_warmup, h.n_decode);
+        return 2;
+    }
     if (!rc.n_ctx_given) {
-        const int64_t need = (text_prompt ? (int64_t) rc.prompt.size() + 8 : h.n_prompt) + h.n_decode + 1;
+        const int64_t n_before = h.synthetic_depth > 0 ? h.synthetic_depth :
+                                 text_prompt ? (int64_t) rc.prompt.size() + 8 : h.n_prompt;
+        const int64_t need = n_before + h.n_decode + 1;
         rc.cparams.n_ctx = (uint32_t) ((need + 255) / 256 * 256);
     }
 
@@ -403,7 +625,7 @@ int main(int argc, char ** argv) {
         }
     }
     const int64_t n_ctx = llama_n_ctx(ctx);
-    if ((int64_t) prompt.size() + h.n_decode > n_ctx) {
+    if (std::max<int64_t>((int64_t) prompt.size(), h.synthetic_depth) + h.n_decode > n_ctx) {
         fprintf(stderr, "error: prompt (%zu) + decode (%d) exceeds the context (%" PRId64 ")\n", prompt.size(),
                 h.n_decode, n_ctx);
         return 1;
@@ -440,8 +662,39 @@ int main(int argc, char ** argv) {
         }
     }
     const int64_t nodes_prefill = counter.n;
-    const auto t1 = std::chrono::steady_clock::now();
+    auto t1 = std::chrono::steady_clock::now();
     const size_t state_size = llama_state_get_size(ctx);
+
+    llama_pos pos = (llama_pos) prompt.size();
+    double ms_state_load = 0.0;
+    llama_pos pos_max_loaded = -1;  // --synthetic-depth: the sequence's last position after the load
+    if (h.synthetic_depth > 0) {
+        std::vector<uint8_t> st(llama_state_seq_get_size(ctx, 0));
+        if (st.empty() || llama_state_seq_get_data(ctx, st.data(), st.size(), 0) != st.size()) {
+            fprintf(stderr, "error: --synthetic-depth: cannot read the sequence state\n");
+            return 1;
+        }
+        tiled_state tiled = tile_state(st, (uint32_t) h.synthetic_depth);
+        if (!tiled.data) {
+            return 1;
+        }
+        st.clear();
+        st.shrink_to_fit();
+        const auto ts = std::chrono::steady_clock::now();
+        llama_memory_clear(llama_get_memory(ctx), true);
+        if (llama_state_seq_set_data(ctx, tiled.data.get(), tiled.size, 0) != tiled.size) {
+            fprintf(stderr, "error: --synthetic-depth: llama_state_seq_set_data refused the tiled state "
+                            "(%.1f GiB)\n", tiled.size / 1073741824.0);
+            return 1;
+        }
+        ms_state_load = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - ts).count();
+        pos_max_loaded = llama_memory_seq_pos_max(llama_get_memory(ctx), 0);
+        fprintf(stderr, "opencoti-harness: synthetic depth %" PRId64 " cells (%zu-token prompt tiled, %.1f GiB "
+                        "of state, loaded in %.0f ms)\n", h.synthetic_depth, prompt.size(),
+                tiled.size / 1073741824.0, ms_state_load);
+        pos = (llama_pos) h.synthetic_depth;
+        t1 = std::chrono::steady_clock::now();
+    }
 
     std::vector<float> last(llama_get_logits_ith(ctx, -1), llama_get_logits_ith(ctx, -1) + n_vocab);
     write_row(last.data());
@@ -449,8 +702,11 @@ int main(int argc, char ** argv) {
     std::vector<llama_token> fed;
     std::vector<int64_t> nodes_decode;
     std::string text;
-    llama_pos pos = (llama_pos) prompt.size();
+    auto t_timed = t1;  // the end of the warmup steps
     for (int i = 0; i < h.n_decode; ++i) {
+        if (i == h.n_warmup) {
+            t_timed = std::chrono::steady_clock::now();
+        }
         const llama_token tok = teacher.empty() ? argmax(last.data(), n_vocab) : teacher[(size_t) i];
         fed.push_back(tok);
         if (h.generate) {
@@ -478,12 +734,16 @@ int main(int argc, char ** argv) {
     if (dump != nullptr) {
         fclose(dump);
     }
+    const int32_t n_reused = llama_perf_context(ctx).n_reused;
     llama_batch_free(batch);
     llama_free(ctx);
     llama_model_free(model);
 
     const double ms_prefill = std::chrono::duration<double, std::milli>(t1 - t0).count();
     const double ms_decode = std::chrono::duration<double, std::milli>(t2 - t1).count();
+    const double ms_timed = std::chrono::duration<double, std::milli>(t2 - t_timed).count();
+    const int n_timed = h.n_decode - std::min(h.n_warmup, h.n_decode);
+    const double decode_tps = n_timed > 0 && ms_timed > 0.0 ? 1e3 * n_timed / ms_timed : 0.0;
     int64_t nodes_min = 0;
     int64_t nodes_max = 0;
     if (!nodes_decode.empty()) {
@@ -505,7 +765,10 @@ int main(int argc, char ** argv) {
            << ",\n  \"n_decode\": " << h.n_decode << ",\n  \"rows\": " << h.n_decode + 1
            << ",\n  \"seed\": " << seed << ",\n  \"teacher_forced\": " << (teacher.empty() ? "false" : "true")
            << ",\n  \"state_size\": " << state_size << ",\n  \"ms_prefill\": " << ms_prefill
-           << ",\n  \"ms_decode\": " << ms_decode << ",\n  \"graphs_reused\": " << llama_perf_context(ctx).n_reused
+           << ",\n  \"ms_decode\": " << ms_decode << ",\n  \"warmup\": " << h.n_warmup
+           << ",\n  \"decode_tps\": " << decode_tps << ",\n  \"synthetic_depth\": " << h.synthetic_depth
+           << ",\n  \"ms_state_load\": " << ms_state_load << ",\n  \"pos_max_loaded\": " << pos_max_loaded
+           << ",\n  \"graphs_reused\": " << n_reused
            << ",\n  \"decode_tokens\": [";
         for (size_t i = 0; i < fed.size(); ++i) {
             js << (i ? ", " : "") << fed[i];

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 import tarfile
 import tempfile
 from collections.abc import Iterable
@@ -165,9 +166,32 @@ def plot(rows: list[BenchRow], out: Path) -> Path | None:
     return out
 
 
+# ci/device/h200.sh `longctx`: one opencoti-harness --synthetic-depth JSON per run, named for what it ran
+_LONGCTX_NAME = re.compile(
+    r"^longctx-(?P<kv>[a-z0-9_]+)-(?P<depth>\d+)-(?:dense|k(?P<topk>\d+)-b(?P<block>\d+))$")
+SYNTH_MODEL = "8b-synth"  # the 8B shape decoding at a synthetic depth (tiled state, no real prefill)
+
+
+def parse_longctx(path: Path) -> BenchRow | None:
+    """A ``longctx-KV-DEPTH-dense.json`` / ``longctx-KV-DEPTH-kK-bB.json`` harness report as a row (decode
+    tokens/s after the warmup steps); None for another file or a report without a timed step."""
+    m = _LONGCTX_NAME.match(path.stem)
+    if not m:
+        return None
+    rec = json.loads(path.read_text())
+    tps = float(rec.get("decode_tps") or 0.0)
+    if tps <= 0 or int(rec.get("synthetic_depth") or 0) != int(m["depth"]):
+        return None
+    sparse = m["topk"] is not None
+    return BenchRow(model=SYNTH_MODEL, kv=m["kv"], depth=int(m["depth"]), sparse=sparse,
+                    topk=int(m["topk"]) if sparse else 0, block=int(m["block"]) if sparse else 128,
+                    tps=tps, tps_sd=0.0)
+
+
 def load_results(results: Path) -> list[BenchRow]:
     """The llama-bench rows of a ``results.tgz`` from ci/device/h200.sh (or an unpacked folder):
-    every ``bench*.log`` (JSON), the model from its name (``14b`` in it, else ``8b``)."""
+    every ``bench*.log`` (JSON), the model from its name (``14b`` in it, else ``8b``); and the synthetic-depth
+    runs (``longctx-*.json``, model ``8b-synth``)."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if results.is_file():
@@ -179,4 +203,8 @@ def load_results(results: Path) -> list[BenchRow]:
         for log in sorted(root.rglob("*.log")):
             if log.stem.startswith("bench"):
                 rows += parse_llama_bench(load_json(log), "14b" if "14b" in log.stem else "8b")
+        for js in sorted(root.rglob("longctx-*.json")):
+            row = parse_longctx(js)
+            if row is not None:
+                rows.append(row)
     return rows
