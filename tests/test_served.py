@@ -59,10 +59,34 @@ def test_summarize_fails_when_concurrent_loses_answers() -> None:
            "sparse": {"sequential": rows(keys, every - {"s0"}), "concurrent": rows(keys, first9)}}
     out = served.summarize(res, ps, tolerance=1)
     assert out["verdict"] == "FAIL"
-    assert out["failed"] == ["sparse: 9/20 correct served concurrently, 19/20 one at a time"]
+    assert out["failed"] == [
+        "sparse: 9/20 correct served concurrently, 19/20 one at a time (dense: 20 and 20)"]
     assert out["table"]["sparse"]["concurrent"]["agree_dense"] == 9
     # s1..s8 right in both; s0 and s9..s19 right in one of them only
     assert out["table"]["sparse"]["concurrent"]["agree_sequential"] == 8
+
+
+def test_summarize_judges_a_variant_against_the_controls_own_loss() -> None:
+    """The H200 run of 2026-12-02: dense 62 -> 60, sparse 61 -> 60. Batching costs dense two answers, so
+    sparse losing one passes; sparse losing four (two more than dense, tolerance 1) fails; the control never
+    fails on its own loss."""
+    ps = prompts(100)
+    keys = {p.sample.sid: p.sample.key for p in ps}
+    sids = list(keys)
+
+    def first(n: int) -> list[dict[str, Any]]:
+        return rows(keys, set(sids[:n]))
+
+    res = {"dense": {"sequential": first(62), "concurrent": first(60)},
+           "sparse": {"sequential": first(61), "concurrent": first(60)}}
+    out = served.summarize(res, ps, tolerance=1)
+    assert out["verdict"] == "PASS" and out["control"] == "dense"
+    res["sparse"]["concurrent"] = first(57)
+    out = served.summarize(res, ps, tolerance=1)
+    assert out["failed"] == [
+        "sparse: 57/100 correct served concurrently, 61/100 one at a time (dense: 62 and 60)"]
+    res["dense"]["concurrent"] = first(30)  # a control that loses many: the variant is held to its loss
+    assert served.summarize(res, ps, tolerance=1)["verdict"] == "PASS"
 
 
 def test_summarize_passes_within_tolerance_and_fails_on_errors() -> None:

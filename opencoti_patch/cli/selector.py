@@ -454,8 +454,9 @@ def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None
               help="Server slots; also the requests in flight of the concurrent pass.")
 @click.option("--n-predict", type=int, default=8, show_default=True)
 @click.option("--tolerance", type=int, default=1, show_default=True,
-              help="Answers the concurrent pass may lose against the sequential one (rounding of other "
-                   "ubatch shapes moves a borderline answer, dense included).")
+              help="Answers the concurrent pass of the sparse server may lose against its sequential pass "
+                   "beyond what the dense server (the control) loses: the rounding of other ubatch shapes "
+                   "moves borderline answers, dense included.")
 @click.option("--cache-prompt/--no-cache-prompt", default=True, show_default=True,
               help="Let a request reuse its slot's cached prompt (the samples share a filler up to each "
                    "needle).")

@@ -12,8 +12,11 @@ paragraphs, at a depth past the sink block and before the recent blocks, then a 
 fitted to the context with the server's own tokenizer (``/tokenize``).
 
 Reported per variant and mode: correct answers, agreement with the same variant's sequential answers and with
-the first variant's (dense) answers in the same mode. The verdict compares the modes: the concurrent accuracy
-of every variant must be at least its sequential accuracy minus ``tolerance`` answers."""
+the first variant's (dense) answers in the same mode. The verdict compares the modes against the first
+variant, the control: batching changes the numerics of dense attention too (on the H200, dense answered 62 of
+100 one at a time and 60 of 100 four at a time), so a variant passes when serving concurrently costs it at
+most ``tolerance`` answers more than it costs the control. A lone variant is judged on its own (concurrent
+at least sequential minus ``tolerance``). Any failed request fails the run."""
 
 from __future__ import annotations
 
@@ -114,7 +117,9 @@ def serve_mode(transport: Transport, base_url: str, prompts: Sequence[Prompt], *
 def summarize(results: dict[str, dict[str, list[dict[str, Any]]]], prompts: Sequence[Prompt],
               tolerance: int) -> dict[str, Any]:
     """Per variant and mode: correct, errors, agreement with the variant's sequential answers and with the
-    first variant's answers in that mode; checks: no errors, concurrent >= sequential - tolerance."""
+    first variant's answers in that mode; checks: no errors, and for each variant after the first (the
+    control) a loss from serving concurrently (sequential - concurrent correct) of at most the control's loss
+    (or 0) plus ``tolerance``; a lone variant: its loss at most ``tolerance``."""
     names = list(results)
     ref = names[0]
     answers = {v: {m: {r["sid"]: r.get("answer") for r in results[v][m]} for m in results[v]} for v in names}
@@ -134,12 +139,23 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]], prompts: Sequ
             }
             if errors:
                 failed.append(f"{v} {m}: {len(errors)} request(s) failed")
-        n_seq, conc = table[v]["sequential"]["correct"], table[v]["concurrent"]["correct"]
-        if conc < n_seq - tolerance:
+    def loss(v: str) -> int:
+        return table[v]["sequential"]["correct"] - table[v]["concurrent"]["correct"]
+
+    for v in names:
+        if len(names) > 1 and v == ref:
+            continue  # the control: its loss is what batching costs without the feature
+        allowed = tolerance + (max(0, loss(ref)) if len(names) > 1 else 0)
+        if loss(v) > allowed:
+            n_seq, conc = table[v]["sequential"]["correct"], table[v]["concurrent"]["correct"]
+            ctl = table[ref]
+            control = (f" ({ref}: {ctl['sequential']['correct']} and {ctl['concurrent']['correct']})"
+                       if len(names) > 1 else "")
             failed.append(f"{v}: {conc}/{len(prompts)} correct served concurrently, "
-                          f"{n_seq}/{len(prompts)} one at a time")
+                          f"{n_seq}/{len(prompts)} one at a time{control}")
     n_tok = [p.n_tokens for p in prompts]
-    return {"table": table, "failed": failed, "prompt_tokens": [min(n_tok), max(n_tok)],
+    return {"table": table, "failed": failed, "control": ref if len(names) > 1 else None,
+            "prompt_tokens": [min(n_tok), max(n_tok)],
             "depths": [round(p.sample.depth, 3) for p in prompts], "verdict": "FAIL" if failed else "PASS"}
 
 
