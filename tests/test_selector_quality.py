@@ -128,7 +128,7 @@ def test_report_command_hides_machine_paths() -> None:
 
     cmd = _command(["selector", "needles", "--build", "/opt/me/b", "--samples", "4096:16", "--prose=/usr/x",
                     "--layers", "5,11,17"])
-    assert cmd == ("opencoti-patch selector needles --build <cpu-build> --samples 4096:16 --prose=<docs-dir> "
+    assert cmd == ("opencoti-patch selector needles --build <build> --samples 4096:16 --prose=<docs-dir> "
                    "--layers 5,11,17")
 
 

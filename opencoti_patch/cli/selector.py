@@ -168,7 +168,7 @@ def machine_line(ngl: int) -> str:
 
 # path options shown as placeholders in reports: the paths of the machine a report was made on mean nothing to
 # its reader
-_PATH_OPTIONS = {"--build": "<cpu-build>", "--llama-src": "<tree>", "--model": "<model.gguf>",
+_PATH_OPTIONS = {"--build": "<build>", "--llama-src": "<tree>", "--model": "<model.gguf>",
                  "--work-dir": "<scratch>", "--prose": "<docs-dir>", "--out-dir": "<out-dir>"}
 
 
