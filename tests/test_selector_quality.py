@@ -111,6 +111,12 @@ def test_needle_prompt_and_variants() -> None:
     # 12.5% of 4K is only the sink + recent blocks: no top-k, not run
     assert [v.name for v in needle.variants_for(4096, [0.25, 0.125], [2048])] == ["dense", "sparse-25%",
                                                                                   "window-25%"]
+    # a second block size: its own variants at the same attended budgets (sink 128 and recent 256 tokens are
+    # 4 and 9 blocks of 32), the window still that of the first
+    vb = needle.variants_for(8192, [0.25], [], blocks=[128, 32])
+    assert [v.name for v in vb] == ["dense", "sparse-25%", "sparse-25%-b32", "window-25%"]
+    assert [v.attended(8192) for v in vb[1:]] == [2048, 2048, 2048]
+    assert vb[2].json()["block_size"] == 32 and vb[2].json()["topk"] == 64 - 4 - 9
 
 
 def test_needle_kept_sees_the_needle_block_and_the_window_does_not() -> None:
