@@ -279,6 +279,12 @@ def test_parse_log_facts() -> None:
     assert f["model_buffer"] == ["CPU_Mapped 84.04 MiB"]
     plain = ident.parse_log_facts("llama_context: graph: nodes = 130, splits = 1, input objects = 4\n")
     assert plain["graph"] == ["nodes = 130, splits = 1, input objects = 4"]
+    # the two-line print of older pins (4df29be4f): one fact, in the one-line form
+    old = ident.parse_log_facts("sched_reserve: graph nodes  = 727\nsched_reserve: graph splits = 1\n")
+    assert old["graph"] == ["nodes = 727, splits = 1"]
+    both = ident.parse_log_facts("sched_reserve: graph nodes  = 727 (with bs=512), 700 (with bs=1)\n"
+                                 "sched_reserve: graph splits = 3 (with bs=512), 2 (with bs=1)\n")
+    assert both["graph"] == ["nodes = 727 / 700, splits = 3 / 2"]
 
 
 def test_first_difference(tmp_path: Path) -> None:

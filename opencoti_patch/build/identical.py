@@ -154,6 +154,16 @@ _FACT_PATTERNS: dict[str, re.Pattern[str]] = {
     "model_buffer": re.compile(r"^\S+:\s+(\S+) model buffer size = \s*(.*)$"),
     "nodes_computed": re.compile(r"^opencoti-harness: nodes computed: (.*)$"),
 }
+# Older pins (llama-cpp-python 0.3.35 / 0.3.33 / 0.3.32) print the graph on two lines instead:
+# "sched_reserve: graph nodes  = 727" then "sched_reserve: graph splits = 1", each with a tail
+# " (with bs=512), 700 (with bs=1)" when the pp and tg graphs differ; read as one fact in the form of
+# the one-line print without its input counts: "nodes = 727, splits = 1" or "nodes = 727 / 700, ...".
+_OLD_GRAPH_NODES = re.compile(r"^\S+: graph nodes\s+= (\d+)(?: \(with bs=\d+\), (\d+) \(with bs=1\))?$")
+_OLD_GRAPH_SPLITS = re.compile(r"^\S+: graph splits\s+= (\d+)(?: \(with bs=\d+\), (\d+) \(with bs=1\))?$")
+
+
+def _pp_tg(m: re.Match[str]) -> str:
+    return m.group(1) if m.group(2) is None else f"{m.group(1)} / {m.group(2)}"
 
 
 def parse_log_facts(text: str) -> dict[str, list[str]]:
@@ -161,6 +171,10 @@ def parse_log_facts(text: str) -> dict[str, list[str]]:
     facts: dict[str, list[str]] = {k: [] for k in _FACT_PATTERNS}
     for line in text.splitlines():
         line = line.rstrip()
+        if m := _OLD_GRAPH_NODES.search(line):
+            facts["graph"].append(f"nodes = {_pp_tg(m)}")
+        elif (m := _OLD_GRAPH_SPLITS.search(line)) and facts["graph"] and "splits" not in facts["graph"][-1]:
+            facts["graph"][-1] += f", splits = {_pp_tg(m)}"
         for key, pat in _FACT_PATTERNS.items():
             m = pat.search(line)
             if m:
