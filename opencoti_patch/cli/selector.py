@@ -423,7 +423,8 @@ def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                              shares=fraction_list(shares), fixed_tokens=int_list(fixed), seed=seed,
                              threads=threads, log_dir=env.work / "logs", progress=info, per_doc=per_doc,
                              offload=env.offload, blocks=int_list(blocks))
-    _save(out_dir, name, "passkey", {"command": _command(), "n_generate": 8, **res}, env.meta())
+    _save(out_dir, name, "passkey", {"command": _command(), "n_generate": 8, **res},
+          env.meta() | {"blocks": int_list(blocks)})
 
 
 @selector_group.command("fidelity")
@@ -448,7 +449,8 @@ def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None
                               shares=fraction_list(shares), fixed_tokens=int_list(fixed), steps=steps,
                               seed=seed, threads=threads, log_dir=env.work / "logs", samples=n_texts,
                               offload=env.offload, blocks=int_list(blocks))
-    _save(out_dir, name, "fidelity", {"command": _command(), **res}, env.meta())
+    _save(out_dir, name, "fidelity", {"command": _command(), **res},
+          env.meta() | {"blocks": int_list(blocks)})
 
 
 @selector_group.command("served")
