@@ -399,6 +399,13 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
     _save(out_dir, name, "needles", data, env.meta(split_list))
 
 
+_blocks_option = click.option(
+    "--blocks", default=str(needle.BLOCK), show_default=True, callback=lambda _c, _p, v: int_list(v),
+    help="Selection block sizes (tokens), each its own sparse variants (suffix -b<size> after the first). "
+         "A size that is not a multiple of 128 needs a tree that accepts it (the CUDA kernels of the series "
+         "take multiples of 128).")
+
+
 @selector_group.command("passkey")
 @_common
 @click.option("--samples", default="4096:100,8192:100", show_default=True,
@@ -409,22 +416,19 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
 @click.option("--per-doc", type=int, default=needle.PER_DOC, show_default=True,
               help="Samples that share one filler text (each its own depth, key and wording; the prefill of "
                    "the shared prefix is reused): fewer = more distinct texts, more prefill.")
-@click.option("--blocks", default=str(needle.BLOCK), show_default=True,
-              help="Selection block sizes (tokens), each its own sparse variants (suffix -b<size> after "
-                   "the first). A size that is not a multiple of 128 needs a tree that accepts it (the CUDA "
-                   "kernels of the series take multiples of 128).")
+@_blocks_option
 def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
                     seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, ngl: int,
                     harness_args: tuple[str, ...], samples: str, shares: str, fixed: str,
-                    per_doc: int, blocks: str) -> None:
+                    per_doc: int, blocks: list[int]) -> None:
     """Passkey retrieval in real prose, dense and sparse (each budget) and the window, same samples."""
     env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
     res = needle.run_passkey(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=_pairs(samples),
                              shares=fraction_list(shares), fixed_tokens=int_list(fixed), seed=seed,
                              threads=threads, log_dir=env.work / "logs", progress=info, per_doc=per_doc,
-                             offload=env.offload, blocks=int_list(blocks))
+                             offload=env.offload, blocks=blocks)
     _save(out_dir, name, "passkey", {"command": _command(), "n_generate": 8, **res},
-          env.meta() | {"blocks": int_list(blocks)})
+          env.meta() | {"blocks": blocks})
 
 
 @selector_group.command("fidelity")
@@ -435,22 +439,19 @@ def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None,
 @click.option("--texts", "n_texts", type=int, default=1, show_default=True, help="Texts per context.")
 @click.option("--shares", default="0.25,0.125", show_default=True, help="Attended shares of the context.")
 @click.option("--fixed", default="2048", show_default=True, help="Fixed attended budgets in tokens.")
-@click.option("--blocks", default=str(needle.BLOCK), show_default=True,
-              help="Selection block sizes (tokens), each its own sparse variants (suffix -b<size> after "
-                   "the first). A size that is not a multiple of 128 needs a tree that accepts it (the CUDA "
-                   "kernels of the series take multiples of 128).")
+@_blocks_option
 def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                      prose_dirs: tuple[Path, ...], seed: int, threads: int, out_dir: Path, name: str,
                      work_dir: Path | None, ngl: int, harness_args: tuple[str, ...], contexts: str,
-                     steps: int, n_texts: int, shares: str, fixed: str, blocks: str) -> None:
+                     steps: int, n_texts: int, shares: str, fixed: str, blocks: list[int]) -> None:
     """KL(dense || sparse) and top-1 agreement over teacher-forced decode steps of real prose."""
     env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
     res = needle.run_fidelity(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=int_list(contexts),
                               shares=fraction_list(shares), fixed_tokens=int_list(fixed), steps=steps,
                               seed=seed, threads=threads, log_dir=env.work / "logs", samples=n_texts,
-                              offload=env.offload, blocks=int_list(blocks))
+                              offload=env.offload, blocks=blocks)
     _save(out_dir, name, "fidelity", {"command": _command(), **res},
-          env.meta() | {"blocks": int_list(blocks)})
+          env.meta() | {"blocks": blocks})
 
 
 @selector_group.command("served")

@@ -139,22 +139,23 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]], prompts: Sequ
             }
             if errors:
                 failed.append(f"{v} {m}: {len(errors)} request(s) failed")
+    control = ref if len(names) > 1 else None  # a lone variant is judged on its own
+
     def loss(v: str) -> int:
         return table[v]["sequential"]["correct"] - table[v]["concurrent"]["correct"]
 
     for v in names:
-        if len(names) > 1 and v == ref:
+        if v == control:
             continue  # the control: its loss is what batching costs without the feature
-        allowed = tolerance + (max(0, loss(ref)) if len(names) > 1 else 0)
+        allowed = tolerance + (max(0, loss(control)) if control else 0)
         if loss(v) > allowed:
             n_seq, conc = table[v]["sequential"]["correct"], table[v]["concurrent"]["correct"]
-            ctl = table[ref]
-            control = (f" ({ref}: {ctl['sequential']['correct']} and {ctl['concurrent']['correct']})"
-                       if len(names) > 1 else "")
+            ctl = (f" ({control}: {table[control]['sequential']['correct']} and "
+                   f"{table[control]['concurrent']['correct']})" if control else "")
             failed.append(f"{v}: {conc}/{len(prompts)} correct served concurrently, "
-                          f"{n_seq}/{len(prompts)} one at a time{control}")
+                          f"{n_seq}/{len(prompts)} one at a time{ctl}")
     n_tok = [p.n_tokens for p in prompts]
-    return {"table": table, "failed": failed, "control": ref if len(names) > 1 else None,
+    return {"table": table, "failed": failed, "control": control,
             "prompt_tokens": [min(n_tok), max(n_tok)],
             "depths": [round(p.sample.depth, 3) for p in prompts], "verdict": "FAIL" if failed else "PASS"}
 
