@@ -20,7 +20,8 @@
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
 # Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all, serving,
 # quality (ci/device/quality.sh fg: issue 10's selector quality on real prose, Gemma 3 270M), batched4,
-# rpc (issue 15: layers split between CUDA0 and a ggml-rpc-server on loopback, ci/device/rpc.sh),
+# batched8 (llama-batched-bench B = 4 and 8 at BATCHED8_NPP cells each, unified and per sequence; SERVING_SHAPE: the
+# serving stage's model, default 1b), rpc (issue 15: layers split between CUDA0 and a ggml-rpc-server on loopback, ci/device/rpc.sh),
 # profile (a kernel timeline of llama-bench at each of PROFILE_DEPTHS, default 131072, dense and sparse, and with
 # PROFILE_PP="off on" of a 32K prompt: kernel-trace.cpp + kernel_profile.py),
 # longctx (decode at a synthetic depth, LONGCTX_CASES "KV:DEPTH ..." default "f16:131072 f16:524288 q8_0:1048576",
@@ -252,8 +253,19 @@ start() {
                 run_stage "batched4-$sa" "$BIN/llama-batched-bench" -m "$M8B" -ngl $NGL -fa on -c 140000 -b 2048 -ub 512 \
                     -npp "${BATCHED4_NPP:-16384,32768}" -ntg 64 -npl 4 --kv-unified --sparse-attn $sa
             done ;;
-        serving) # the load test on the 1B-shaped model when it was written (OPENCOTI_SHAPES has 1b), else the 8B
-            local sm=$M8B; [ -f "$W/m-1b-q4_0.gguf" ] && sm=$W/m-1b-q4_0.gguf
+        batched8)
+            # B = 4 and 8 sequences at BATCHED8_NPP (default 32768) cells each, unified stream and one stream per sequence
+            local layout
+            for layout in unified perseq; do
+                local kvu=--kv-unified; [ $layout = perseq ] && kvu=--no-kv-unified
+                for sa in off on; do
+                    run_stage "batched8-$layout-$sa" "$BIN/llama-batched-bench" -m "$M8B" -ngl $NGL -fa on \
+                        -c "${BATCHED8_CTX:-270000}" -b 2048 -ub 512 -npp "${BATCHED8_NPP:-32768}" -ntg 64 -npl 4,8 \
+                        $kvu --sparse-attn $sa
+                done
+            done ;;
+        serving) # the load test on the SERVING_SHAPE model (default 1b) when OPENCOTI_SHAPES wrote it, else the 8B
+            local sm=$M8B; [ -f "$W/m-${SERVING_SHAPE:-1b}-q4_0.gguf" ] && sm=$W/m-${SERVING_SHAPE:-1b}-q4_0.gguf
             run_stage serving env BIN="$BIN" M8B="$sm" LOG="$LOG" BUILD="$BUILD" NGL=$NGL ROOT="$ROOT" bash ci/device/serving.sh ;;
         longctx) # issue 12: decode at 128K-1M cells without the prefill (the harness's --synthetic-depth: a 4096-token
             # prompt's K/V tiled to the depth through the state API), dense and sparse, under the kernel tracer
