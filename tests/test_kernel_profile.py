@@ -18,10 +18,13 @@ def _load():
     return mod
 
 
-def _trace(path: Path, steps: int, step_gap_ns: int) -> None:
+def _trace(path: Path, steps: int, step_gap_ns: int, upload_ns: int = 0) -> None:
+    """steps of fa + combine + memset, step_gap_ns apart; upload_ns > 0: an input copy that far before each step"""
     lines = ["kind\tstart\tend\tgraph\tstream\tgrid\tblock\tname"]
-    t = 1_000
+    t = 1_000 + upload_ns
     for _ in range(steps):
+        if upload_ns:
+            lines.append(f"M\t{t - upload_ns}\t{t - upload_ns + 2_000}\t0\t7\t0,0,0\t0,0,0\tmemcpy:HtoD")
         # fa runs 10 us; combine starts 2 us into it (PDL) and ends 3 us after it: 3 us exclusive, 11 us long
         lines.append(f"K\t{t}\t{t + 10_000}\t1\t7\t1,1,1\t32,1,1\tflash_attn_ext_vec")
         lines.append(f"K\t{t + 2_000}\t{t + 13_000}\t1\t7\t1,1,1\t32,1,1\tflash_attn_combine_results")
@@ -46,6 +49,21 @@ def test_exclusive_time_and_gap(tmp_path: Path) -> None:
     assert s["busy_us_per_step"] == 22.0
     assert s["gap_us_median"] == 200.0
     assert s["label"] == "dense decode"
+
+
+def test_copies_between_steps_count_as_gap(tmp_path: Path) -> None:
+    """A decode uploads its inputs (a copy) well before its first kernel: the copy is a step of its own in the
+    timeline, yet the decode steps still form one group and the gap is measured from one step to the next."""
+    kp = _load()
+    trace = tmp_path / "t.tsv"
+    _trace(trace, steps=6, step_gap_ns=200_000, upload_ns=80_000)
+    steps = kp.split_steps(kp.read_trace(str(trace)), gap_ns=30_000)
+    assert len(steps) == 12  # each decode: the copy, then the kernels
+    (group,) = kp.group_steps(steps, min_steps=4)
+    s = kp.summarize(group)
+    assert s["steps"] == 6
+    assert s["gap_us_median"] == 200.0
+    assert s["span_us_per_step"] == 15.0
 
 
 def test_steps_split_only_at_idle_gaps(tmp_path: Path) -> None:

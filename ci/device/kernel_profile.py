@@ -108,13 +108,17 @@ def group_steps(steps: list[list[Activity]], min_steps: int) -> list[Group]:
     prev: tuple[tuple[str, ...], int] | None = None
     for s in steps:
         sig = tuple(a.name.split(":")[0] for a in s if a.kind in "KS")
+        if not sig:
+            # copies only (the inputs a decode uploads before its graph, the logits after it, once the GPU has
+            # caught up with the host): part of the gap between two steps of a group, not a step of its own
+            continue
         g = groups.setdefault(sig, Group(sig))
         g.steps.append(s)
         if prev is not None and prev[0] == sig:
             g.gaps.append(s[0].start - prev[1])
             g.gap_windows.append((prev[1], s[0].start))
         prev = (sig, max(a.end for a in s))
-    out = [g for g in groups.values() if len(g.steps) >= min_steps and g.signature]
+    out = [g for g in groups.values() if len(g.steps) >= min_steps]
     out.sort(key=lambda g: (g.steps[0][0].start))
     return out
 
