@@ -391,6 +391,10 @@ def test_harness_synthetic_depth(selfcheck: b.BuildResult, single_harness: Path,
         js, deep[sa] = run(f"deep-{sa}", "--synthetic-depth", "1536", "--warmup", "1", "--sparse-attn", sa,
                            "--sparse-attn-topk", "2", "--sparse-attn-min-ctx", "1024")
         assert js["pos_max_loaded"] == 1535 and js["decode_tps"] > 0, js
+        # the host split of a timed step: on the CPU backend llama_decode computes, the logits read waits for
+        # nothing; together at most the timed wall time per token
+        call, wait = js["ms_step_decode_call"], js["ms_step_logits_wait"]
+        assert call > 0 and 0 <= wait < call and call + wait <= 2e3 / js["decode_tps"], js
         assert deep[sa][:row] == plain_logits[:row]  # the prompt row
     assert deep["on"][row:] != deep["off"][row:]  # the selection ran
     bad = subprocess.run([str(single_harness), "-m", str(model), "--prompt-tokens", "512",

@@ -163,6 +163,15 @@ def test_head_reductions_lex_breaks_exact_ties_by_the_sum() -> None:
     assert recall.parse_scorer("mean16-lex").name == "mean16-lex"
 
 
+def test_head_reduction_rr_takes_each_heads_best_in_turn() -> None:
+    """rr: a head whose scores are small still gets its own best blocks; max gives everything to the loud head."""
+    s = np.array([[[9.0, 8.0, 7.0, 6.0, 0.0, 0.1], [0.0, 0.0, 0.0, 0.0, 0.3, 0.2]]])  # head 1 is quiet
+    rr = recall.reduce_heads(s, "rr")[0]
+    assert list(np.argsort(-rr, kind="stable"))[:4] == [0, 4, 1, 5]  # head 0's 1st, head 1's 1st, 2nd, 2nd
+    assert list(np.argsort(-recall.reduce_heads(s, "max")[0], kind="stable"))[:4] == [0, 1, 2, 3]
+    assert recall.parse_scorer("mean16-rr").name == "mean16-rr"
+
+
 def test_recall_splits_share_one_reference_oracle() -> None:
     q, k = _needle_case(1)
     splits = [recall.Split(256), recall.Split(512), recall.Split(0, 0.25), recall.Split(2048)]

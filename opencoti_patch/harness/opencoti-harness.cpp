@@ -14,7 +14,10 @@
 //   --json F               write a JSON summary (tokens, node counts, state size, timings)
 //   --count-nodes          count the graph nodes computed per llama_decode (eval callback; no effect
 //                          on the results)
-//   --warmup N             the first N decode steps are not timed (decode_tps in --json: the others)
+//   --warmup N             the first N decode steps are not timed (decode_tps in --json: the others; also
+//                          the median host time per timed step inside llama_decode, which returns once the
+//                          work is queued on an asynchronous backend, and inside the logits read that waits
+//                          for it: ms_step_decode_call / ms_step_logits_wait)
 //   --synthetic-depth D    decode at a depth of D cells without a D-token prefill (a speed benchmark at
 //                          512K-1M, where a real prefill takes many minutes): the prompt (--prompt-tokens,
 //                          a few thousand) is prefilled for real, its sequence state is tiled to D cells at
@@ -174,6 +177,15 @@ llama_token argmax(const float * logits, int32_t n) {
         }
     }
     return best;
+}
+
+// the median of xs (the upper one of an even count); 0 when empty
+double median(std::vector<double> xs) {
+    if (xs.empty()) {
+        return 0.0;
+    }
+    std::nth_element(xs.begin(), xs.begin() + xs.size()/2, xs.end());
+    return xs[xs.size()/2];
 }
 
 bool need_value(int i, int argc, const char * name) {
@@ -703,6 +715,8 @@ int main(int argc, char ** argv) {
     std::vector<int64_t> nodes_decode;
     std::string text;
     auto t_timed = t1;  // the end of the warmup steps
+    std::vector<double> ms_call;  // per timed step: host time inside llama_decode
+    std::vector<double> ms_wait;  // per timed step: host time inside llama_get_logits_ith (waits for the backend)
     for (int i = 0; i < h.n_decode; ++i) {
         if (i == h.n_warmup) {
             t_timed = std::chrono::steady_clock::now();
@@ -718,12 +732,18 @@ int main(int argc, char ** argv) {
         batch.n_tokens = 0;
         batch_add(batch, tok, pos++, true);
         counter.n = 0;
+        const auto t_call = std::chrono::steady_clock::now();
         if (llama_decode(ctx, batch) != 0) {
             fprintf(stderr, "error: llama_decode failed at decode step %d\n", i);
             return 1;
         }
+        const auto t_queued = std::chrono::steady_clock::now();
         nodes_decode.push_back(counter.n);
         const float * row = llama_get_logits_ith(ctx, -1);
+        if (i >= h.n_warmup) {
+            ms_call.push_back(std::chrono::duration<double, std::milli>(t_queued - t_call).count());
+            ms_wait.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_queued).count());
+        }
         last.assign(row, row + n_vocab);
         write_row(last.data());
     }
@@ -769,6 +789,7 @@ int main(int argc, char ** argv) {
            << ",\n  \"decode_tps\": " << decode_tps << ",\n  \"synthetic_depth\": " << h.synthetic_depth
            << ",\n  \"ms_state_load\": " << ms_state_load << ",\n  \"pos_max_loaded\": " << pos_max_loaded
            << ",\n  \"graphs_reused\": " << n_reused
+           << ",\n  \"ms_step_decode_call\": " << median(ms_call) << ",\n  \"ms_step_logits_wait\": " << median(ms_wait)
            << ",\n  \"decode_tokens\": [";
         for (size_t i = 0; i < fed.size(); ++i) {
             js << (i ? ", " : "") << fed[i];

@@ -25,7 +25,9 @@ Scorers (each from keys alone, as the KV cache holds them, f16-rounded):
 - ``mlse``: the same without the variance term.
 
 Query-head reductions (scorer suffix): ``max`` (default, the op's), ``sum`` (the summed query), ``lex``
-(max, the sum breaking exact ties), ``maxmean`` (max + mean over the query heads: a soft tie-breaker).
+(max, the sum breaking exact ties), ``maxmean`` (max + mean over the query heads: a soft tie-breaker), ``rr``
+(each query head ranks the blocks by its own score and the heads take turns: a block's place is its best place
+in any head's ranking, ties by the max; the top-k is the union of every head's first k/G or so).
 
 Budget splits (:class:`Split`): at a fixed number of attended blocks, the recent window is a fixed number of
 tokens or a share of the attended tokens, and the top-k fills the rest. With several splits,
@@ -64,7 +66,7 @@ class Scorer:
         return vectors * head_dim * bytes_per_value / self.sub
 
 
-HEAD_REDUCE = ("max", "sum", "lex", "maxmean")
+HEAD_REDUCE = ("max", "sum", "lex", "maxmean", "rr")
 
 
 def parse_scorer(text: str) -> Scorer:
@@ -163,6 +165,15 @@ def reduce_heads(s: np.ndarray, how: str) -> np.ndarray:
         return ssum
     if how == "maxmean":
         return smax + ssum / s.shape[1]
+    if how == "rr":
+        # place of each block in each head's own ranking (0 = that head's best; ties: lower block id first)
+        order = np.argsort(-s, axis=2, kind="stable")
+        place = np.empty(s.shape, dtype=np.int64)
+        np.put_along_axis(place, order, np.broadcast_to(np.arange(s.shape[2]), s.shape), axis=2)
+        best = place.min(axis=1).astype(np.float64)
+        # rank: a better (smaller) best place first; within one place, the higher max score first
+        tie = np.argsort(np.argsort(smax, axis=1, kind="stable"), axis=1, kind="stable") / (s.shape[2] + 1.0)
+        return -best + tie
     # lex: order by the max, exact ties by the sum, then lower block id first; the rank is the position
     ids = np.broadcast_to(np.arange(s.shape[2]), smax.shape)
     order = np.lexsort((-ids, ssum, smax), axis=1)
