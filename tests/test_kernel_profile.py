@@ -19,7 +19,7 @@ def _load():
 
 
 def _trace(path: Path, steps: int, step_gap_ns: int, upload_ns: int = 0) -> None:
-    """steps of fa + combine + memset, step_gap_ns apart; upload_ns > 0: an input copy that far before each step"""
+    """Steps of fa + combine + memset, step_gap_ns apart; upload_ns > 0: an input copy that long before."""
     lines = ["kind\tstart\tend\tgraph\tstream\tgrid\tblock\tname"]
     t = 1_000 + upload_ns
     for _ in range(steps):

@@ -164,7 +164,7 @@ def test_head_reductions_lex_breaks_exact_ties_by_the_sum() -> None:
 
 
 def test_head_reduction_rr_takes_each_heads_best_in_turn() -> None:
-    """rr: a head whose scores are small still gets its own best blocks; max gives everything to the loud head."""
+    """rr: a quiet head still gets its own best blocks; max gives every block to the loud head."""
     s = np.array([[[9.0, 8.0, 7.0, 6.0, 0.0, 0.1], [0.0, 0.0, 0.0, 0.0, 0.3, 0.2]]])  # head 1 is quiet
     rr = recall.reduce_heads(s, "rr")[0]
     assert list(np.argsort(-rr, kind="stable"))[:4] == [0, 4, 1, 5]  # head 0's 1st, head 1's 1st, 2nd, 2nd
@@ -343,3 +343,32 @@ def test_recall_block_must_divide_the_sink(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, ["selector", "recall", "--build", str(tmp_path), "--layers", "5",
                                    "--block", "48"])
     assert res.exit_code == 2 and "--block" in res.output, res.output
+
+
+def test_qk_dump_is_reused_only_for_the_same_text_and_arguments(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dump folder is named by context, sample and seed only: one left by a run with another sample count
+    (other prompts under the same names) or other layers must be made anew, not read for this prompt."""
+    import sys  # noqa: PLC0415
+
+    from opencoti_patch.cli import selector  # noqa: PLC0415
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fake-dump"
+    fake.write_text(f"#!{sys.executable}\n"
+                    "import sys, pathlib, numpy as np\n"
+                    "a = sys.argv; out = pathlib.Path(a[a.index('-o') + 1])\n"
+                    "np.save(out / 'tokens.npy', np.arange(3))\n"
+                    f"open({str(calls)!r}, 'a').write('x')\n")
+    fake.chmod(0o755)
+    env = object.__new__(selector._Env)
+    env.model = tmp_path / "m.gguf"
+    monkeypatch.setattr(env, "exe", lambda target: fake, raising=False)
+    d = tmp_path / "needle-c4096-000-1234"
+    assert env.qk_dump(d, "prompt one", ["--layers", "5"], "dump") == d
+    env.qk_dump(d, "prompt one", ["--layers", "5"], "dump")  # the same: reused
+    assert calls.read_text() == "x"
+    env.qk_dump(d, "prompt two", ["--layers", "5"], "dump")  # same name, another prompt
+    env.qk_dump(d, "prompt two", ["--layers", "5,11"], "dump")  # other layers
+    assert calls.read_text() == "xxx"
+    assert (d / "text.txt").read_text() == "prompt two"

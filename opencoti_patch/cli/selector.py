@@ -10,10 +10,13 @@ at a time; its own report.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import platform
 import shlex
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -138,6 +141,28 @@ class _Env:
     def exe(self, target: str) -> Path:
         return build_harness(self.llama_src, self.bin, self.work / "harness", targets=(target,)) / target
 
+    def qk_dump(self, dump: Path, text: str, args: list[str], what: str) -> Path:
+        """The Q/K dump of one dense prefill of ``text`` in ``dump`` (opencoti-qk-dump ``args``, e.g. the
+        layers), reused when an earlier run left one of the same text, model and arguments (its key in
+        ``dump/key.json``), else made anew: a dump folder named like another's (another sample count, other
+        prose) is never read for this one."""
+        key = {"text_sha256": hashlib.sha256(text.encode()).hexdigest(), "model": self.model.name,
+               "args": args}
+        key_file = dump / "key.json"
+        if (dump / "tokens.npy").is_file() and key_file.is_file() and json.loads(key_file.read_text()) == key:
+            return dump
+        shutil.rmtree(dump, ignore_errors=True)
+        dump.mkdir(parents=True)
+        (dump / "text.txt").write_text(text)
+        info(what)
+        exe = self.exe(DUMP_EXE)
+        cmd = [str(exe), "-m", str(self.model), "-f", str(dump / "text.txt"), *args, "-o", str(dump)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise click.ClickException(f"{exe.name} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        key_file.write_text(json.dumps(key))
+        return dump
+
     def meta(self, splits: list[recall.Split] | None = None) -> dict[str, Any]:
         recent: int | str = needle.RECENT
         if splits and (len(splits) > 1 or splits[0].of_budget or splits[0].tokens != needle.RECENT):
@@ -155,7 +180,6 @@ def machine_line(ngl: int) -> str:
     cpu = f"{platform.machine()} CPU, {platform.system()}"
     if ngl <= 0:
         return cpu
-    import subprocess  # noqa: PLC0415
 
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -248,7 +272,6 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
                    recent: str, block: int) -> None:
     """Share of the dense attention mass each scorer's selection keeps, vs the oracle and the window."""
     import random  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
 
     if block <= 0 or needle.SINK % block:
         raise click.BadParameter(f"need a positive divisor of the {needle.SINK}-token sink",
@@ -256,7 +279,6 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
 
     t0 = time.monotonic()
     env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
-    exe = env.exe(DUMP_EXE)
     layer_ids = int_list(layers)
     share_list = fraction_list(shares)
     scorer_list = [recall.parse_scorer(s) for s in scorers.split(",") if s.strip()]
@@ -268,21 +290,11 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
     for n_ctx, count in _pairs(texts).items():
         per_layer: dict[str, Any] = {}
         for i in range(count):
-            dump = env.work / f"qk-{n_ctx}-{seed}-{i}"
-            if not (dump / "tokens.npy").is_file():
-                dump.mkdir(parents=True, exist_ok=True)
-                text_file = dump / "text.txt"
-                text_file.write_text(prose.take_text(env.paragraphs, rng.randrange(len(env.paragraphs)),
-                                                     int(n_ctx * 5.5)))
-                info(f"recall {n_ctx}: dense prefill of text {i + 1}/{count}")
-                cmd = [str(exe), "-m", str(env.model), "-f", str(text_file), "--layers", layers, "--q-last",
-                       str(q_last), "--max-tokens", str(n_ctx), "-t", str(threads), "-ngl", str(ngl), "-o",
-                       str(dump)]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    raise click.ClickException(f"{exe.name} failed: {proc.stderr.strip().splitlines()[-1:]}")
-            else:
-                rng.randrange(len(env.paragraphs))  # keep the text sequence of a fresh run
+            text = prose.take_text(env.paragraphs, rng.randrange(len(env.paragraphs)), int(n_ctx * 5.5))
+            dump = env.qk_dump(env.work / f"qk-{n_ctx}-{seed}-{i}", text,
+                               ["--layers", layers, "--q-last", str(q_last), "--max-tokens", str(n_ctx),
+                                "-t", str(threads), "-ngl", str(ngl)],
+                               f"recall {n_ctx}: dense prefill of text {i + 1}/{count}")
             for layer in layer_ids:
                 q, k = recall.load_dump(dump, layer)
                 if k.shape[0] != n_ctx:
@@ -321,7 +333,6 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
     dense prefill each through opencoti-qk-dump; for the last 7 queries (the answer frame and digits), every
     sparse layer: is a block holding the key digits among the kept ones. Needs the gguf package.
     """
-    import subprocess  # noqa: PLC0415
 
     try:
         from gguf import GGUFReader  # noqa: PLC0415
@@ -330,7 +341,6 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
 
     t0 = time.monotonic()
     env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
-    exe = env.exe(DUMP_EXE)
     field = GGUFReader(str(env.model)).fields["tokenizer.ggml.tokens"]
     vocab = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
     digit = {t: i for i, t in enumerate(vocab) if len(t) == 1 and t.isdigit()}
@@ -342,17 +352,10 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
     for n_ctx, count in _pairs(samples).items():
         hits: dict[float, dict[str, dict[str, list[float]]]] = {share: {} for share in share_list}
         for smp in needle.make_samples(seed, n_ctx, count, len(env.paragraphs), per_doc=1):
-            dump = env.work / f"needle-{smp.sid}-{seed}"
-            if not (dump / "tokens.npy").is_file():
-                dump.mkdir(parents=True, exist_ok=True)
-                prompt = smp.prompt(env.paragraphs, int((n_ctx - 168) * 3.8))  # ~4 characters a token
-                (dump / "text.txt").write_text(prompt + " " + smp.key + ".")
-                info(f"needles {n_ctx}: dense prefill of {smp.sid}")
-                cmd = [str(exe), "-m", str(env.model), "-f", str(dump / "text.txt"), "--layers", layers,
-                       "--q-last", "12", "-t", str(threads), "-ngl", str(ngl), "-o", str(dump)]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    raise click.ClickException(f"{exe.name} failed: {proc.stderr.strip().splitlines()[-1:]}")
+            prompt = smp.prompt(env.paragraphs, int((n_ctx - 168) * 3.8))  # ~4 characters a token
+            dump = env.qk_dump(env.work / f"needle-{smp.sid}-{seed}", prompt + " " + smp.key + ".",
+                               ["--layers", layers, "--q-last", "12", "-t", str(threads), "-ngl", str(ngl)],
+                               f"needles {n_ctx}: dense prefill of {smp.sid}")
             tokens = [int(t) for t in np.load(dump / "tokens.npy")]
             key = [digit[c] for c in smp.key]
             at = next((i for i in range(len(tokens) - 20) if tokens[i:i + len(key)] == key), None)
