@@ -20,14 +20,15 @@
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
 # Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all, serving,
 # quality (ci/device/quality.sh fg: issue 10's selector quality on real prose, Gemma 3 270M), batched4,
-# batched8 (llama-batched-bench B = 4 and 8 at BATCHED8_NPP cells each, unified and per sequence; SERVING_SHAPE: the
-# serving stage's model, default 1b), rpc (issue 15: layers split between CUDA0 and a ggml-rpc-server on loopback, ci/device/rpc.sh),
+# batched8 (llama-batched-bench B = 4 and 8 at BATCHED8_NPP cells each, unified and per sequence),
+# rpc (issue 15: layers split between CUDA0 and a ggml-rpc-server on loopback, ci/device/rpc.sh),
 # profile (a kernel timeline of llama-bench at each of PROFILE_DEPTHS, default 131072, dense and sparse, and with
 # PROFILE_PP="off on" of a 32K prompt: kernel-trace.cpp + kernel_profile.py),
 # longctx (decode at a synthetic depth, LONGCTX_CASES "KV:DEPTH ..." default "f16:131072 f16:524288 q8_0:1048576",
 # dense and sparse (LONGCTX_TOPK x LONGCTX_BLOCK, default 32 x 128), traced: the harness's --synthetic-depth tiles a
 # 4096-token prompt's state to the depth; `bench report` reads the JSONs as model "8b-synth")
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072)
+# (SERVING_SHAPE: the serving stage's model, default 1b, used when OPENCOTI_SHAPES wrote it)
 set -u
 ROOT=$(pwd)
 W=${OPENCOTI_DEVICE_WORK:-/tmp/ocw}
