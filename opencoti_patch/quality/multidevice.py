@@ -42,6 +42,7 @@ _NODES_SPLITS_RE = re.compile(r"^nodes = (\d+)(?: / (\d+))?, splits = (\d+)(?: /
 _LAYER_DEV_RE = re.compile(r"^llama_kv_cache: layer +(\d+): dev = (\S+)", re.M)
 _CACHE_RE = re.compile(r"creating\s+(non-SWA|SWA) KV cache")
 _ATTACH_RE = re.compile(r"sparse attention on: .*dense layers = (\d+),.* sparse layers = (\d+)")
+_DENSE_LAST_RE = re.compile(r"sparse attention on: .*dense last = (\d+),")
 SERVER_EXES = ("ggml-rpc-server", "rpc-server")  # the tool's name in this pin, and in older trees
 
 
@@ -196,7 +197,9 @@ def parse_layers(log_text: str) -> dict[str, Any]:
             if in_swa:
                 swa.add(int(m.group(1)))
     m = _ATTACH_RE.search(log_text)
+    last = _DENSE_LAST_RE.search(log_text)
     return {"devices": devices, "swa": swa, "dense_layers": int(m.group(1)) if m else None,
+            "dense_last": int(last.group(1)) if last else 0,
             "sparse_layers": int(m.group(2)) if m else None}
 
 
@@ -209,9 +212,12 @@ def side_cache_placement(run: VariantRun, layers: dict[str, Any]) -> list[dict[s
         into = kv if b["kind"] == "KV" else side
         into[b["buffer"]] = into.get(b["buffer"], 0.0) + b["mib"]
     dense = layers["dense_layers"]
+    full = [il for il in sorted(layers["devices"]) if il not in layers["swa"]]
+    last = layers.get("dense_last", 0)
+    dense_tail = set(full[len(full) - last:]) if last else set()  # the last full-attention layers stay dense
     sparse_on: dict[str, list[int]] = {}
     for il, dev in sorted(layers["devices"].items()):
-        if dense is not None and il >= dense and il not in layers["swa"]:
+        if dense is not None and il >= dense and il not in layers["swa"] and il not in dense_tail:
             sparse_on.setdefault(dev, []).append(il)
     n_sparse = sum(map(len, sparse_on.values()))
     per_layer = sum(side.values()) / n_sparse if n_sparse else None
