@@ -323,7 +323,10 @@ def test_rpc_split_layout_on_cpu(selfcheck: b.BuildResult, single_harness: Path,
                                         tree=selfcheck.src)
     cfg = md.RpcCheckConfig(harness=single_harness, rpc_server=selfcheck.bin / md.SERVER_EXES[0], model=model,
                             work=tmp_path / "rpc", split_args=("-ngl", "2"), local_args=("-ngl", "0"),
-                            prompt_tokens=1024, decode=8, ctx=2048, topk=2)
+                            prompt_tokens=1024, decode=8, ctx=2048, topk=2,
+                            # 4 layers, 0-1 dense (dense-layers 2): the default layer rule would make
+                            # 3 dense too and leave the RPC side without a sparse layer
+                            extra=("--sparse-attn-dense-last", "0"))
     result = md.run_rpc_check(cfg)
     assert result["passed"], result["checks"]
     devices = {p["buffer"].split("[")[0] for p in result["placement"] if p["side_mib"]}

@@ -27,7 +27,8 @@
 # longctx (decode at a synthetic depth, LONGCTX_CASES "KV:DEPTH ..." default "f16:131072 f16:524288 q8_0:1048576",
 # dense and sparse (LONGCTX_TOPK x LONGCTX_BLOCK, default 32 x 128), traced: the harness's --synthetic-depth tiles a
 # 4096-token prompt's state to the depth; `bench report` reads the JSONs as model "8b-synth")
-# (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072)
+# (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072; BENCH_ARGS: more llama-bench
+# arguments for it, e.g. "-sadt 0,1": the layer rule off and on, and dense twice, which shows the run-to-run spread)
 # (SERVING_SHAPE: the serving stage's model, default 1b, used when OPENCOTI_SHAPES wrote it)
 set -u
 ROOT=$(pwd)
@@ -220,7 +221,8 @@ start() {
         test-fa-all)
             run_stage test-fa     "$BIN/test-backend-ops" -o FLASH_ATTN_EXT -b $BACKEND ;;
         bench)
-            bench bench-f16 "$M8B" -r 2 -d "${BENCH_DEPTHS:-0,8192,16384,32768,65536,131072}" -sa 0,1 -sak 32 ;;
+            # shellcheck disable=SC2086  # BENCH_ARGS: more llama-bench arguments (words), e.g. "-sadt 0,1"
+            bench bench-f16 "$M8B" -r 2 -d "${BENCH_DEPTHS:-0,8192,16384,32768,65536,131072}" -sa 0,1 -sak 32 ${BENCH_ARGS:-} ;;
         batched)
             # the normal decode path with a real prefill; B = 4 sequences in one unified stream (each its own selection)
             for sa in off on; do

@@ -28,6 +28,8 @@
 #   fidelity:  8K, 16K, 32K, $STEPS (256) teacher-forced steps x $FID_TEXTS (2) texts, 25% and 2048 tokens
 #   recall:    8K, 16K, 32K x $RECALL_TEXTS (2) texts, layers 5,11,17, 25% and 12.5%: kept attention mass of
 #              each scorer vs the oracle and the equal-size window
+#   passkey-N-dl0: (not in the default list) passkey-N's samples at 25% with --sparse-attn-dense-last 0 (the
+#              layer rule off), dense and the window again as controls
 #   served:    (not in the default list) 4K x $SAMPLES through llama-server with unified slots, one request
 #              at a time vs 4 at a time, dense / sparse 50% (issue 11); builds the llama-server target first
 # OPENCOTI_DEVICE_CUDA=0: a CPU dry run on a developer machine at tiny scale (2048-token contexts, shares
@@ -261,6 +263,11 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
     passkey-4k|passkey-8k|passkey-16k|passkey-32k)
         local ctx=$(( ${s//[!0-9]/} * 1024 ))
         echo "passkey --samples $ctx:$SAMPLES --shares 0.25,0.125 --fixed 2048 --per-doc $PER_DOC" ;;
+    passkey-4k-dl0|passkey-8k-dl0|passkey-16k-dl0|passkey-32k-dl0)
+        # the same samples with the last full-attention layer sparse too (--sparse-attn-dense-last 0): what the
+        # layer rule (default 1) buys, on the samples of passkey-N
+        local n=${s%-dl0}; local ctx=$(( ${n//[!0-9]/} * 1024 ))
+        echo "passkey --samples $ctx:$SAMPLES --shares 0.25 --fixed= --per-doc $PER_DOC --harness-arg=--sparse-attn-dense-last --harness-arg=0" ;;
     fidelity) echo "fidelity --contexts 8192,16384,32768 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed 2048" ;;
     # issue 11: the passkey set through llama-server (unified slots), one request at a time vs 4 at a time
     served) echo "served --ctx 4096 --samples $SAMPLES --share 0.5 --parallel 4 --server-args=-kvu" ;;
