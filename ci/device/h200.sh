@@ -18,7 +18,7 @@
 # `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch bench pack --rev upstream/<pin>
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
-# Stages (default: tests bench budgets bench-q8 bench-14b): also perf, batched, rebuild-cost, test-fa-all, serving,
+# Stages (default: tests bench budgets bench-q8 bench-14b): also bench-b32 (the bench budget in 32-token blocks), perf, batched, rebuild-cost, test-fa-all, serving,
 # quality (ci/device/quality.sh fg: issue 10's selector quality on real prose, Gemma 3 270M), batched4,
 # batched8 (llama-batched-bench B = 4 and 8 at BATCHED8_NPP cells each, unified and per sequence),
 # rpc (issue 15: layers split between CUDA0 and a ggml-rpc-server on loopback, ci/device/rpc.sh),
@@ -233,6 +233,8 @@ start() {
             done ;;
         budgets)
             bench bench-budgets "$M8B" -r 2 -d 131072 -sa 1 -sak 8,16 ;;
+        bench-b32) # the bench stage's 4096-token top-k budget in 32-token blocks (128 x 32), sparse only
+            bench bench-b32 "$M8B" -r 2 -d "${BENCH_B32_DEPTHS:-32768,131072}" -sa 1 -sab 32 -sak 128 ;;
         bench-q8)
             bench bench-q8 "$M8B" -r 2 -ctk q8_0 -ctv q8_0 -d 32768,131072 -sa 0,1 -sak 32 ;;
         bench-14b)

@@ -30,6 +30,8 @@
 #              each scorer vs the oracle and the equal-size window
 #   passkey-N-dl0: (not in the default list) passkey-N's samples at 25% with --sparse-attn-dense-last 0 (the
 #              layer rule off), dense and the window again as controls
+#   passkey-N-b32, fidelity-b32: (not in the default list) at 25% attended, 128-token and 32-token selection
+#              blocks side by side on the same samples (fidelity at 8K and 16K)
 #   served:    (not in the default list) 4K x $SAMPLES through llama-server with unified slots, one request
 #              at a time vs 4 at a time, dense / sparse 50% (issue 11); builds the llama-server target first
 # OPENCOTI_DEVICE_CUDA=0: a CPU dry run on a developer machine at tiny scale (2048-token contexts, shares
@@ -268,6 +270,12 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
         # layer rule (default 1) buys, on the samples of passkey-N
         local n=${s%-dl0}; local ctx=$(( ${n//[!0-9]/} * 1024 ))
         echo "passkey --samples $ctx:$SAMPLES --shares 0.25 --fixed= --per-doc $PER_DOC --harness-arg=--sparse-attn-dense-last --harness-arg=0" ;;
+    passkey-4k-b32|passkey-8k-b32|passkey-16k-b32|passkey-32k-b32)
+        # the same samples at 25% attended with 128-token and 32-token selection blocks side by side
+        local n=${s%-b32}; local ctx=$(( ${n//[!0-9]/} * 1024 ))
+        echo "passkey --samples $ctx:$SAMPLES --shares 0.25 --fixed= --per-doc $PER_DOC --blocks 128,32" ;;
+    fidelity-b32)
+        echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32" ;;
     fidelity) echo "fidelity --contexts 8192,16384,32768 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed 2048" ;;
     # issue 11: the passkey set through llama-server (unified slots), one request at a time vs 4 at a time
     served) echo "served --ctx 4096 --samples $SAMPLES --share 0.5 --parallel 4 --server-args=-kvu" ;;

@@ -405,8 +405,7 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
 _blocks_option = click.option(
     "--blocks", default=str(needle.BLOCK), show_default=True, callback=lambda _c, _p, v: int_list(v),
     help="Selection block sizes (tokens), each its own sparse variants (suffix -b<size> after the first). "
-         "A size that is not a multiple of 128 needs a tree that accepts it (the CUDA kernels of the series "
-         "take multiples of 128).")
+         "The series takes multiples of 32 (the column slices of its CUDA flash attention).")
 
 
 @selector_group.command("passkey")
