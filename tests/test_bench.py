@@ -47,7 +47,15 @@ def test_ratios_pair_sparse_with_dense_of_same_depth(tmp_path: Path) -> None:
     assert rs[131072]["ratio"] == pytest.approx(2.6)
     assert rs[131072]["budget"] == 32 * 128
     table = bench.markdown_table(rows)
-    assert "**2.60×**" in table and "| 131072 |" in table
+    assert "**2.60×**" in table and "| 131072 |" in table and "| 4096 (32 x 128) |" in table
+
+
+def test_table_tells_block_sizes_apart() -> None:
+    """The same token budget in 128- and 32-token blocks: two rows, each with its top-k x block."""
+    b32 = dict(_rec(131072, 1, 97.0, topk=128), sparse_attn_block_size=32)
+    rows = bench.parse_llama_bench([_rec(131072, 0, 95.0), _rec(131072, 1, 180.0), b32], "8b")
+    table = bench.markdown_table(rows)
+    assert "| 4096 (32 x 128) | 180.0 |" in table and "| 4096 (128 x 32) | 97.0 |" in table
 
 
 def test_longctx_reports_pair_by_name(tmp_path: Path) -> None:

@@ -203,8 +203,12 @@ def test_real_series_is_default_off(cfg: ident.VerifyConfig, pristine: b.BuildRe
 # test-sparse-attn-kv: llama hd 64/128/256 x K f16/q8_0/q4_0 x unified/per-seq (18) + multi-seq (6: four
 # sequences in one ubatch vs each alone) + threshold (4: K f16/q8_0 x unified/per-seq, the fill only from
 # min-ctx on, stale pages rebuilt at the crossing) + gemma3-iswa K f16/q8_0 x unified/per-seq (4); one
-# "<name> OK" line each (a multi-seq or threshold line goes on with its measured values)
+# "<name> OK" line each (a multi-seq or threshold line goes on with its measured values); also the layer
+# rule (8: which layers get a side-cache, llama and Gemma-3-like layouts) and the block sizes below the CUDA
+# FA tile (2: 32 and 64 columns, the sparse path attaches and selects)
 KV_CASES = 3 * 3 * 2 + 6 + 2 * 2 + 2 * 2
+KV_RULE_CASES = 8
+KV_BLOCK_CASES = 2
 
 
 @pytest.fixture(scope="session")
@@ -237,6 +241,10 @@ def test_sparse_attn_cpu_selfchecks(selfcheck: b.BuildResult) -> None:
     assert kv.returncode == 0 and kv.stdout.rstrip().endswith("all OK"), log[-4000:]
     assert len(cases) == KV_CASES and len({n for n, _ in cases}) == KV_CASES, cases
     assert all(r == "OK" for _, r in cases), cases
+    rules = re.findall(r"^(layer rule .+?)\s+(OK|FAILED)$", log, re.M)
+    blocks = re.findall(r"^(block size \d+)\s+(OK|FAILED)$", log, re.M)
+    assert len(rules) == KV_RULE_CASES and all(r == "OK" for _, r in rules), rules
+    assert len(blocks) == KV_BLOCK_CASES and all(r == "OK" for _, r in blocks), blocks
 
 
 @pytest.fixture(scope="session")

@@ -114,7 +114,8 @@ def ratios(rows: list[BenchRow]) -> list[dict[str, Any]]:
             continue
         d = dense.get((r.model, r.kv, r.depth))
         out.append({
-            "model": r.model, "kv": r.kv, "depth": r.depth, "budget": r.budget,
+            "model": r.model, "kv": r.kv, "depth": r.depth,
+            "budget": r.budget, "topk": r.topk, "block": r.block,
             "dense_tps": d.tps if d else None, "sparse_tps": r.tps,
             "ratio": (r.tps / d.tps) if d else None,
         })
@@ -122,12 +123,13 @@ def ratios(rows: list[BenchRow]) -> list[dict[str, Any]]:
 
 
 def markdown_table(rows: list[BenchRow]) -> str:
-    lines = ["| model | KV | depth | dense t/s | budget (tokens) | sparse t/s | ratio |",
+    lines = ["| model | KV | depth | dense t/s | budget (tokens: top-k x block) | sparse t/s | ratio |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for c in ratios(rows):
         dense = f"{c['dense_tps']:.1f}" if c["dense_tps"] else "–"
         ratio = f"**{c['ratio']:.2f}×**" if c["ratio"] else "–"
-        lines.append(f"| {c['model']} | {c['kv']} | {c['depth']} | {dense} | {c['budget']} | "
+        budget = f"{c['budget']} ({c['topk']} x {c['block']})"
+        lines.append(f"| {c['model']} | {c['kv']} | {c['depth']} | {dense} | {budget} | "
                      f"{c['sparse_tps']:.1f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
