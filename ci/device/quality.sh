@@ -262,18 +262,18 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
         return 0
     fi
     case $s in
-    passkey-4k|passkey-8k|passkey-16k|passkey-32k)
-        local ctx=$(( ${s//[!0-9]/} * 1024 ))
-        echo "passkey --samples $ctx:$SAMPLES --shares 0.25,0.125 --fixed 2048 --per-doc $PER_DOC" ;;
-    passkey-4k-dl0|passkey-8k-dl0|passkey-16k-dl0|passkey-32k-dl0)
+    passkey-4k|passkey-8k|passkey-16k|passkey-32k|passkey-*k-dl0|passkey-*k-b32)
+        local n=${s#passkey-}; n=${n%%k*}
+        case $n in 4|8|16|32) ;; *) return 1 ;; esac
+        local samples="--samples $((n * 1024)):$SAMPLES"
+        case ${s#passkey-"$n"k} in
+        "")   echo "passkey $samples --shares 0.25,0.125 --fixed 2048 --per-doc $PER_DOC" ;;
         # the same samples with the last full-attention layer sparse too (--sparse-attn-dense-last 0): what the
         # layer rule (default 1) buys, on the samples of passkey-N
-        local n=${s%-dl0}; local ctx=$(( ${n//[!0-9]/} * 1024 ))
-        echo "passkey --samples $ctx:$SAMPLES --shares 0.25 --fixed= --per-doc $PER_DOC --harness-arg=--sparse-attn-dense-last --harness-arg=0" ;;
-    passkey-4k-b32|passkey-8k-b32|passkey-16k-b32|passkey-32k-b32)
+        -dl0) echo "passkey $samples --shares 0.25 --fixed= --per-doc $PER_DOC --harness-arg=--sparse-attn-dense-last --harness-arg=0" ;;
         # the same samples at 25% attended with 128-token and 32-token selection blocks side by side
-        local n=${s%-b32}; local ctx=$(( ${n//[!0-9]/} * 1024 ))
-        echo "passkey --samples $ctx:$SAMPLES --shares 0.25 --fixed= --per-doc $PER_DOC --blocks 128,32" ;;
+        -b32) echo "passkey $samples --shares 0.25 --fixed= --per-doc $PER_DOC --blocks 128,32" ;;
+        esac ;;
     fidelity-b32)
         echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32" ;;
     fidelity) echo "fidelity --contexts 8192,16384,32768 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed 2048" ;;
