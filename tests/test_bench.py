@@ -86,6 +86,92 @@ def test_sparse_row_without_dense_has_no_ratio() -> None:
     assert "| – |" in bench.markdown_table(rows)
 
 
+def _log(path: Path, *recs: dict) -> None:
+    """A llama-bench -o json log (with log lines around the array, as the device writes it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("main: llama-bench\n" + json.dumps(list(recs)) + "\nllama_perf: done\n")
+
+
+def _sadt(depth: int, sa: int, tps: float, dense_last: int, block: int = 128, topk: int = 32) -> dict:
+    rec = _rec(depth, sa, tps, topk=topk)
+    return dict(rec, sparse_attn_block_size=block, sparse_attn_dense_last=dense_last)
+
+
+def test_two_runs_in_one_folder_pair_with_their_own_dense(tmp_path: Path) -> None:
+    """Two llama-bench logs of one lease, both with dense and sparse at 131072: each sparse row's ratio is
+    against its own log's dense (the last dense row read used to win for both)."""
+    _log(tmp_path / "bench-f16.log", _rec(131072, 0, 100.0), _rec(131072, 1, 250.0))
+    _log(tmp_path / "bench-q8.log", _rec(131072, 0, 50.0), _rec(131072, 1, 200.0))
+    rows = bench.load_results(tmp_path)
+    assert sorted({(r.run, r.dense_last) for r in rows}) == [("bench-f16", None), ("bench-q8", None)]
+    cs = bench.ratios(rows)
+    assert [(c["run"], c["dense_tps"], c["ratio"], c["dense_run"], c["dense_note"]) for c in cs] == [
+        ("bench-f16", 100.0, pytest.approx(2.5), "bench-f16", None),
+        ("bench-q8", 50.0, pytest.approx(4.0), "bench-q8", None)]
+    table = bench.markdown_table(rows)
+    assert "| bench-f16 | 8b | f16 | 131072 | 100.0 | 4096 (32 x 128) | 250.0 | **2.50×** |" in table
+    assert "| bench-q8 | 8b | f16 | 131072 | 50.0 | 4096 (32 x 128) | 200.0 | **4.00×** |" in table
+    assert "dense-last" not in table and "†" not in table
+
+
+def test_sadt_rows_pair_dense_last_to_dense_last(tmp_path: Path) -> None:
+    """llama-bench -sa 0,1 -sadt 0,1: dense is measured at each dense_last; a sparse row pairs with the dense
+    row of its own dense_last, and the table shows a dense-last column."""
+    _log(tmp_path / "bench-sadt" / "bench-f16.log",
+         _sadt(131072, 1, 184.0, 1), _sadt(131072, 0, 95.8, 0), _sadt(131072, 1, 189.3, 0),
+         _sadt(131072, 0, 97.2, 1))
+    rows = bench.load_results(tmp_path)
+    cs = bench.ratios(rows)
+    assert [(c["run"], c["dense_last"], c["dense_tps"], c["sparse_tps"]) for c in cs] == [
+        ("bench-sadt/bench-f16", 0, 95.8, 189.3), ("bench-sadt/bench-f16", 1, 97.2, 184.0)]
+    assert [c["ratio"] for c in cs] == [pytest.approx(189.3 / 95.8), pytest.approx(184.0 / 97.2)]
+    table = bench.markdown_table(rows)
+    assert "| budget (tokens: top-k x block) | dense-last | sparse t/s |" in table
+    assert ("| bench-sadt/bench-f16 | 8b | f16 | 131072 | 95.8 | 4096 (32 x 128) | 0 | 189.3 | **1.98×** |"
+            in table)
+    assert "| 97.2 | 4096 (32 x 128) | 1 | 184.0 | **1.89×** |" in table
+
+
+def test_sparse_only_log_takes_the_sibling_dense_with_a_footnote(tmp_path: Path) -> None:
+    """The lease3 layout: bench-b32.log has sparse rows only; its dense is bench-f16.log's of the same folder
+    (94.2), marked, never the later -sadt run's in bench-sadt/ (97.2)."""
+    _log(tmp_path / "bench-b32.log", _sadt(131072, 1, 175.3, 1, block=32, topk=128))
+    _log(tmp_path / "bench-f16.log", _sadt(131072, 0, 94.2, 1), _sadt(131072, 1, 177.4, 1))
+    _log(tmp_path / "bench-sadt" / "bench-f16.log", _sadt(131072, 0, 95.8, 0), _sadt(131072, 0, 97.2, 1),
+         _sadt(131072, 1, 189.3, 0), _sadt(131072, 1, 184.0, 1))
+    cs = {(c["run"], c["dense_last"]): c for c in bench.ratios(bench.load_results(tmp_path))}
+    b32 = cs[("bench-b32", 1)]
+    assert (b32["dense_tps"], b32["dense_run"]) == (94.2, "bench-f16")
+    assert b32["ratio"] == pytest.approx(175.3 / 94.2)
+    assert cs[("bench-f16", 1)]["dense_tps"] == 94.2 and cs[("bench-f16", 1)]["dense_note"] is None
+    table = bench.markdown_table(bench.load_results(tmp_path))
+    assert "| bench-b32 | 8b | f16 | 131072 | 94.2† | 4096 (128 x 32) | 1 | 175.3 | **1.86×** |" in table
+    assert "\n† dense from bench-f16, the same lease (bench-b32 has no dense row" in table
+    assert "| bench-f16 | 8b | f16 | 131072 | 94.2 |" in table
+
+
+def test_logs_in_different_folders_never_pair(tmp_path: Path) -> None:
+    """A sparse-only log takes no dense row of another folder (another lease), above or below it."""
+    _log(tmp_path / "a" / "bench-f16.log", _rec(131072, 0, 100.0))
+    _log(tmp_path / "b" / "bench-b32.log", _rec(131072, 1, 250.0))
+    _log(tmp_path / "bench-top.log", _rec(131072, 1, 300.0))
+    cs = bench.ratios(bench.load_results(tmp_path))
+    assert [(c["run"], c["dense_tps"], c["ratio"], c["dense_run"]) for c in cs] == [
+        ("b/bench-b32", None, None, None), ("bench-top", None, None, None)]
+    assert "†" not in bench.markdown_table(bench.load_results(tmp_path))
+
+
+def test_ambiguous_sibling_dense_is_the_first_by_run_and_named(tmp_path: Path) -> None:
+    """Two sibling runs with dense at that point: the first by run name, and the footnote names the other."""
+    _log(tmp_path / "bench-z.log", _rec(8192, 0, 80.0))
+    _log(tmp_path / "bench-a.log", _rec(8192, 0, 100.0))
+    _log(tmp_path / "bench-m.log", _rec(8192, 1, 150.0))
+    (c,) = bench.ratios(bench.load_results(tmp_path))
+    assert (c["dense_tps"], c["dense_run"], c["ratio"]) == (100.0, "bench-a", pytest.approx(1.5))
+    assert c["dense_note"].endswith("also measured in bench-z (80.0)")
+    assert "| 100.0† |" in bench.markdown_table(bench.load_results(tmp_path))
+
+
 @pytest.mark.parametrize("wtype", ["f32", "f16", "q4_0"])
 def test_write_llama_gguf_roundtrip(tmp_path: Path, wtype: str) -> None:
     pytest.importorskip("numpy")

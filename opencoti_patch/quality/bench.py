@@ -14,7 +14,7 @@ import re
 import tarfile
 import tempfile
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..build.builder import export_tree
@@ -65,10 +65,25 @@ class BenchRow:
     block: int
     tps: float
     tps_sd: float
+    # the run the row comes from: its log's path under the results root without suffix ("bench-f16",
+    # "bench-sadt/bench-f16"); all longctx JSONs of one folder are one run ("longctx", "sub/longctx")
+    run: str = ""
+    # llama-bench's sparse_attn_dense_last (-sadt), None where the record has no such field
+    dense_last: int | None = None
 
     @property
     def budget(self) -> int:
         return self.topk * self.block if self.sparse else 0
+
+    @property
+    def folder(self) -> str:
+        """The folder of the run's log: runs of one folder are one lease, and only they share a dense row."""
+        return PurePosixPath(self.run).parent.as_posix()
+
+    def order(self) -> tuple[str, str, str, int, int, int, int, int, float]:
+        """The stable output order: run, model, KV, depth, budget, dense_last (then top-k, block, t/s)."""
+        dl = -1 if self.dense_last is None else self.dense_last
+        return (self.run, self.model, self.kv, self.depth, self.budget, dl, self.topk, self.block, self.tps)
 
 
 def _get(rec: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -78,11 +93,12 @@ def _get(rec: dict[str, Any], *names: str, default: Any = None) -> Any:
     return default
 
 
-def parse_llama_bench(records: Iterable[dict[str, Any]], model: str) -> list[BenchRow]:
+def parse_llama_bench(records: Iterable[dict[str, Any]], model: str, run: str = "") -> list[BenchRow]:
     rows = []
     for r in records:
         if int(_get(r, "n_gen", default=0)) == 0:
             continue
+        dense_last = _get(r, "sparse_attn_dense_last")
         rows.append(BenchRow(
             model=model,
             kv=f"{_get(r, 'type_k', default='f16')}",
@@ -92,6 +108,8 @@ def parse_llama_bench(records: Iterable[dict[str, Any]], model: str) -> list[Ben
             block=int(_get(r, "sparse_attn_block_size", default=128)),
             tps=float(r["avg_ts"]),
             tps_sd=float(_get(r, "stddev_ts", default=0.0)),
+            run=run,
+            dense_last=None if dense_last is None else int(dense_last),
         ))
     return rows
 
@@ -105,37 +123,104 @@ def load_json(path: Path) -> list[dict[str, Any]]:
     return json.loads(text[start:end + 1])
 
 
+def _closest(r: BenchRow, cands: list[BenchRow]) -> tuple[BenchRow, list[BenchRow]]:
+    """Among dense rows of r's model, KV and depth: those of r's dense_last if any, else all; the first in
+    the stable order (run name first), and the others that were as good."""
+    pool = sorted([d for d in cands if d.dense_last == r.dense_last] or cands, key=BenchRow.order)
+    return pool[0], pool[1:]
+
+
+_DenseIndex = dict[tuple[str, str, int], list[BenchRow]]  # (model, KV, depth) -> the dense rows there
+
+
+def _dense_for(r: BenchRow, dense: _DenseIndex) -> tuple[BenchRow | None, str | None]:
+    """The dense row to pair the sparse row r with, and a note where the pairing is not the plain one.
+
+    Only ever within one run: the dense row of r's run at r's dense_last, else the unique dense row of r's
+    run (any dense_last). A run without a dense row at that point (a sparse-only log) takes one of a run in
+    the same folder (the same lease), and says so; never one of another folder. An ambiguous choice is the
+    first by run name and is named in the note."""
+    cands = dense.get((r.model, r.kv, r.depth), [])
+    own = [d for d in cands if d.run == r.run]
+    if own:
+        d, others = _closest(r, own)
+        if not others and (d.dense_last == r.dense_last or len(own) == 1):
+            return d, None
+        note = (f"dense from {d.run or '(no run)'} (dense-last {_fmt_dl(d.dense_last)}), the first of "
+                f"{1 + len(others)} dense rows of that run at that model, KV and depth")
+        if d.dense_last != r.dense_last:
+            note += f", none at dense-last {_fmt_dl(r.dense_last)}"
+        return d, note
+    siblings = [d for d in cands if d.folder == r.folder]
+    if not siblings:
+        return None, None
+    d, others = _closest(r, siblings)
+    note = (f"dense from {d.run}, the same lease ({r.run or '(no run)'} has no dense row of that model, "
+            f"KV and depth)")
+    if d.dense_last != r.dense_last:
+        note += f", at dense-last {_fmt_dl(d.dense_last)}"
+    if others:
+        note += "; also measured in " + ", ".join(f"{o.run} ({o.tps:.1f})" for o in others)
+    return d, note
+
+
+def _fmt_dl(dense_last: int | None) -> str:
+    return "–" if dense_last is None else str(dense_last)
+
+
 def ratios(rows: list[BenchRow]) -> list[dict[str, Any]]:
-    """Pair every sparse row with the dense row of the same model, KV type and depth."""
-    dense = {(r.model, r.kv, r.depth): r for r in rows if not r.sparse}
-    out = []
+    """Pair every sparse row with the dense row of the same run, model, KV type, depth and dense_last (see
+    `_dense_for`); in the stable order of `BenchRow.order`. `dense_run` names the run of the dense figure,
+    `dense_note` says why where it is not simply the row's own run's."""
+    dense: _DenseIndex = {}
     for r in rows:
         if not r.sparse:
-            continue
-        d = dense.get((r.model, r.kv, r.depth))
+            dense.setdefault((r.model, r.kv, r.depth), []).append(r)
+    out = []
+    for r in sorted((r for r in rows if r.sparse), key=BenchRow.order):
+        d, note = _dense_for(r, dense)
         out.append({
-            "model": r.model, "kv": r.kv, "depth": r.depth,
+            "run": r.run, "model": r.model, "kv": r.kv, "depth": r.depth, "dense_last": r.dense_last,
             "budget": r.budget, "topk": r.topk, "block": r.block,
             "dense_tps": d.tps if d else None, "sparse_tps": r.tps,
-            "ratio": (r.tps / d.tps) if d else None,
+            "ratio": (r.tps / d.tps) if d and d.tps > 0 else None,
+            "dense_run": d.run if d else None, "dense_note": note,
         })
     return out
 
 
+_MARKS = ("†", "‡", "§", "¶")
+
+
 def markdown_table(rows: list[BenchRow]) -> str:
-    lines = ["| model | KV | depth | dense t/s | budget (tokens: top-k x block) | sparse t/s | ratio |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for c in ratios(rows):
+    """One line per sparse row; a `dense-last` column where the rows' dense_last differ; a dense figure
+    not of the row's own run (or picked among several) gets a mark and a footnote under the table."""
+    cs = ratios(rows)
+    with_dl = len({c["dense_last"] for c in cs if c["dense_last"] is not None}) > 1
+    dl_head, dl_align = (" dense-last |", "---:|") if with_dl else ("", "")
+    lines = [f"| run | model | KV | depth | dense t/s | budget (tokens: top-k x block) |{dl_head} "
+             "sparse t/s | ratio |",
+             f"|---|---|---|---:|---:|---:|{dl_align}---:|---:|"]
+    marks: dict[str, str] = {}
+    for c in cs:
         dense = f"{c['dense_tps']:.1f}" if c["dense_tps"] else "–"
+        if c["dense_note"]:
+            n = len(marks)
+            dense += marks.setdefault(c["dense_note"], _MARKS[n] if n < len(_MARKS) else f"†{n + 1}")
         ratio = f"**{c['ratio']:.2f}×**" if c["ratio"] else "–"
         budget = f"{c['budget']} ({c['topk']} x {c['block']})"
-        lines.append(f"| {c['model']} | {c['kv']} | {c['depth']} | {dense} | {budget} | "
-                     f"{c['sparse_tps']:.1f} | {ratio} |")
+        dl = f" {_fmt_dl(c['dense_last'])} |" if with_dl else ""
+        lines.append(f"| {c['run'] or '–'} | {c['model']} | {c['kv']} | {c['depth']} | {dense} | "
+                     f"{budget} |{dl} {c['sparse_tps']:.1f} | {ratio} |")
+    if marks:
+        lines.append("")
+        lines += [f"{mark} {note}" for note, mark in marks.items()]
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[BenchRow], out: Path) -> Path | None:
-    """tokens/s vs context for dense and each budget, one panel per (model, KV type)."""
+    """tokens/s vs context for dense and each top-k x block, one panel per (model, KV type); one line per
+    run (and dense_last) where the panel has several."""
     try:
         import matplotlib  # noqa: PLC0415 (optional dependency, only for the plot)
 
@@ -146,11 +231,16 @@ def plot(rows: list[BenchRow], out: Path) -> Path | None:
     groups = sorted({(r.model, r.kv) for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
     for ax, (model, kv) in zip(axes[0], groups, strict=True):
+        mine = [r for r in rows if (r.model, r.kv) == (model, kv)]
+        several_runs = len({r.run for r in mine}) > 1
+        several_dl = len({r.dense_last for r in mine}) > 1
         series: dict[str, list[tuple[int, float]]] = {}
-        for r in rows:
-            if (r.model, r.kv) != (model, kv):
-                continue
-            label = f"sparse, budget {r.budget}" if r.sparse else "dense"
+        for r in mine:
+            label = f"sparse, {r.budget} ({r.topk} x {r.block})" if r.sparse else "dense"
+            if several_dl:
+                label += f", dense-last {_fmt_dl(r.dense_last)}"
+            if several_runs:
+                label = f"{r.run}: {label}"
             series.setdefault(label, []).append((r.depth, r.tps))
         for label, pts in sorted(series.items()):
             pts.sort()
@@ -174,7 +264,7 @@ _LONGCTX_NAME = re.compile(
 SYNTH_MODEL = "8b-synth"  # the 8B shape decoding at a synthetic depth (tiled state, no real prefill)
 
 
-def parse_longctx(path: Path) -> BenchRow | None:
+def parse_longctx(path: Path, run: str = "") -> BenchRow | None:
     """A ``longctx-KV-DEPTH-dense.json`` / ``longctx-KV-DEPTH-kK-bB.json`` harness report as a row (decode
     tokens/s after the warmup steps); None for another file or a report without a timed step."""
     m = _LONGCTX_NAME.match(path.stem)
@@ -187,13 +277,14 @@ def parse_longctx(path: Path) -> BenchRow | None:
     sparse = m["topk"] is not None
     return BenchRow(model=SYNTH_MODEL, kv=m["kv"], depth=int(m["depth"]), sparse=sparse,
                     topk=int(m["topk"]) if sparse else 0, block=int(m["block"]) if sparse else 128,
-                    tps=tps, tps_sd=0.0)
+                    tps=tps, tps_sd=0.0, run=run)
 
 
 def load_results(results: Path) -> list[BenchRow]:
     """The llama-bench rows of a ``results.tgz`` from ci/device/h200.sh (or an unpacked folder):
     every ``bench*.log`` (JSON), the model from its name (``14b`` in it, else ``8b``); and the synthetic-depth
-    runs (``longctx-*.json``, model ``8b-synth``)."""
+    runs (``longctx-*.json``, model ``8b-synth``). Each row names its run (`BenchRow.run`): the log's path
+    under the root without suffix; the longctx JSONs of one folder are one run, ``<folder>/longctx``."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if results.is_file():
@@ -204,9 +295,10 @@ def load_results(results: Path) -> list[BenchRow]:
         rows: list[BenchRow] = []
         for log in sorted(root.rglob("*.log")):
             if log.stem.startswith("bench"):
-                rows += parse_llama_bench(load_json(log), "14b" if "14b" in log.stem else "8b")
+                rows += parse_llama_bench(load_json(log), "14b" if "14b" in log.stem else "8b",
+                                          run=log.relative_to(root).with_suffix("").as_posix())
         for js in sorted(root.rglob("longctx-*.json")):
-            row = parse_longctx(js)
+            row = parse_longctx(js, run=(js.relative_to(root).parent / "longctx").as_posix())
             if row is not None:
                 rows.append(row)
     return rows
