@@ -205,10 +205,12 @@ def test_real_series_is_default_off(cfg: ident.VerifyConfig, pristine: b.BuildRe
 # min-ctx on, stale pages rebuilt at the crossing) + gemma3-iswa K f16/q8_0 x unified/per-seq (4); one
 # "<name> OK" line each (a multi-seq or threshold line goes on with its measured values); also the layer
 # rule (8: which layers get a side-cache, llama and Gemma-3-like layouts) and the block sizes below the CUDA
-# FA tile (2: 32 and 64 columns, the sparse path attaches and selects)
+# FA tile (2: 32 and 64 columns, the sparse path attaches and selects), and top-k 0 (1: a plain sink + recent
+# window attaches, changes the logits, and is refused with neither)
 KV_CASES = 3 * 3 * 2 + 6 + 2 * 2 + 2 * 2
 KV_RULE_CASES = 8
 KV_BLOCK_CASES = 2
+KV_WINDOW_CASES = 1
 
 
 @pytest.fixture(scope="session")
@@ -245,6 +247,8 @@ def test_sparse_attn_cpu_selfchecks(selfcheck: b.BuildResult) -> None:
     blocks = re.findall(r"^(block size \d+)\s+(OK|FAILED)$", log, re.M)
     assert len(rules) == KV_RULE_CASES and all(r == "OK" for _, r in rules), rules
     assert len(blocks) == KV_BLOCK_CASES and all(r == "OK" for _, r in blocks), blocks
+    windows = re.findall(r"^(window top-k 0)\s+(OK|FAILED)$", log, re.M)
+    assert len(windows) == KV_WINDOW_CASES and all(r == "OK" for _, r in windows), windows
 
 
 @pytest.fixture(scope="session")
@@ -276,9 +280,6 @@ def test_eval_select_all_equals_dense_and_sparse_is_active(eval_harness: ev.Harn
 
 
 @needs_eval_build
-@pytest.mark.xfail(strict=True, reason="the window baseline keeps one score-selected block (the C++ side "
-                   "refuses --sparse-attn-topk 0), which finds a single needle as well as the selector does: "
-                   "measured 3/3 vs 3/3. Remove this mark once top-k 0 (a pure sink + recent window) exists.")
 def test_eval_passkey_gate_on_the_real_model(eval_harness: ev.Harness) -> None:
     """A small passkey gate end to end on the real model: dense good on the gated needles, the always-kept
     ones reported apart, the selector strictly ahead of the window baseline (seeded: a failure is a

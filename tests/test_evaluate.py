@@ -120,9 +120,10 @@ def test_window_baseline_attends_as_many_blocks_by_recency() -> None:
     for n_ctx, f in ((8192, 0.5), (8192, 0.25), (2048, 0.25)):
         b = ev.budget_config(n_ctx, f)
         w = ev.window_config(b, n_ctx)
-        assert w.topk == 1 and w.sink == b.sink and w.name == f"window-{f * 100:g}%"
+        assert w.topk == 0 and w.sink == b.sink and w.name == f"window-{f * 100:g}%"
         assert w.attended_blocks(n_ctx) == b.attended_blocks(n_ctx)
-        assert w.recent_blocks == b.attended_blocks(n_ctx) - b.sink_blocks - 1
+        assert w.recent_blocks == b.attended_blocks(n_ctx) - b.sink_blocks
+        assert "--sparse-attn-topk" in w.args() and w.args()[w.args().index("--sparse-attn-topk") + 1] == "0"
 
 
 # --- KL / top-1 math -------------------------------------------------------------------------------------
@@ -339,7 +340,7 @@ import json, sys
 args = sys.argv[1:]
 reqs = [json.loads(l) for l in open(args[args.index("--batch") + 1]) if l.strip()]
 sparse = "--sparse-attn" in args
-window = "--sparse-attn-topk" in args and args[args.index("--sparse-attn-topk") + 1] == "1"
+window = "--sparse-attn-topk" in args and args[args.index("--sparse-attn-topk") + 1] == "0"
 for r in reqs:
     n_tok = len(r["text"].split())
     if r.get("tokenize_only"):

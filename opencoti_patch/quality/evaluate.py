@@ -83,7 +83,7 @@ class AttnConfig:
     dense_layers: int = 2
     min_ctx: int = 1
     fraction: float | None = None  # the budget as a fraction of the context, when made from one
-    window: bool = False  # a sliding-window baseline (top-1 + a long recent window), not the selector
+    window: bool = False  # a sliding-window baseline (top-k 0: sink + a long recent window), not the selector
 
     def args(self) -> list[str]:
         if not self.sparse:
@@ -147,15 +147,16 @@ def select_all_config(n_ctx: int, *, block_size: int = 128, sink: int = 128, rec
 
 
 def window_config(budget: AttnConfig, n_kv: int) -> AttnConfig:
-    """A sliding-window baseline attending as many blocks as ``budget``: sink + 1 top-k block + recent.
+    """A sliding-window baseline attending as many blocks as ``budget``: sink + recent, top-k 0 (no block
+    chosen by score).
 
     Score-based selection should beat it at the same cost; if not, the selection adds nothing.
     """
-    n_recent_blocks = budget.attended_blocks(n_kv) - budget.sink_blocks - 1
+    n_recent_blocks = budget.attended_blocks(n_kv) - budget.sink_blocks
     if n_recent_blocks < 2:
         raise OpencotiError(f"budget {budget.name} too small for a window baseline")
     # recent_blocks(R) = (R - 1 + B - 1) // B + 1 = k for R = B * (k - 1)
-    return dataclasses.replace(budget, name=f"window-{budget.name.removeprefix('sparse-')}", topk=1,
+    return dataclasses.replace(budget, name=f"window-{budget.name.removeprefix('sparse-')}", topk=0,
                                recent=budget.block_size * (n_recent_blocks - 1), window=True)
 
 
