@@ -127,11 +127,15 @@ def test_stage_table_budgets_and_sizes(tmp_path: Path) -> None:
     assert res.stdout.strip() == ("passkey-16k: passkey --samples 16384:7 --shares 0.25,0.125 --fixed 2048 "
                                   "--per-doc 10")
     # the comparison stages: passkey-N's samples, the layer rule off / 32-token blocks beside 128
-    res = _sh(script, "args", "passkey-8k-dl0", "passkey-4k-b32", "passkey-64k-b32", OPENCOTI_DEVICE_CUDA="1")
+    res = _sh(script, "args", "passkey-8k-dl0", "passkey-4k-b32", "passkey-8k-b32", "passkey-16k-b32",
+              "passkey-64k-b32", OPENCOTI_DEVICE_CUDA="1")
     assert res.stdout.splitlines() == [
         "passkey-8k-dl0: passkey --samples 8192:100 --shares 0.25 --fixed= --per-doc 10 "
         "--harness-arg=--sparse-attn-dense-last --harness-arg=0",
         "passkey-4k-b32: passkey --samples 4096:100 --shares 0.25 --fixed= --per-doc 10 --blocks 128,32",
+        "passkey-8k-b32: passkey --samples 8192:100 --shares 0.25,0.125 --fixed= --per-doc 10 --blocks 128,32",
+        "passkey-16k-b32: passkey --samples 16384:100 --shares 0.25,0.125 --fixed=2048 --per-doc 10 "
+        "--blocks 128,32",
         "passkey-64k-b32: unknown"]
     res = _sh(script, "args", "passkey-4k", "fidelity", OPENCOTI_DEVICE_CUDA="0")  # the CPU dry run: tiny
     assert res.stdout.splitlines() == [

@@ -30,8 +30,9 @@
 #              each scorer vs the oracle and the equal-size window
 #   passkey-N-dl0: (not in the default list) passkey-N's samples at 25% with --sparse-attn-dense-last 0 (the
 #              layer rule off), dense and the window again as controls
-#   passkey-N-b32, fidelity-b32: (not in the default list) at 25% attended, 128-token and 32-token selection
-#              blocks side by side on the same samples (fidelity at 8K and 16K)
+#   passkey-N-b32, fidelity-b32: (not in the default list) 128-token and 32-token selection blocks side by side
+#              on the same samples: 25% attended (passkey from 8K on also 12.5%, from 16K on also 2048 tokens;
+#              fidelity at 8K and 16K)
 #   served:    (not in the default list) 4K x $SAMPLES through llama-server with unified slots, one request
 #              at a time vs 4 at a time, dense / sparse 50% (issue 11); builds the llama-server target first
 # OPENCOTI_DEVICE_CUDA=0: a CPU dry run on a developer machine at tiny scale (2048-token contexts, shares
@@ -271,8 +272,12 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
         # the same samples with the last full-attention layer sparse too (--sparse-attn-dense-last 0): what the
         # layer rule (default 1) buys, on the samples of passkey-N
         -dl0) echo "passkey $samples --shares 0.25 --fixed= --per-doc $PER_DOC --harness-arg=--sparse-attn-dense-last --harness-arg=0" ;;
-        # the same samples at 25% attended with 128-token and 32-token selection blocks side by side
-        -b32) echo "passkey $samples --shares 0.25 --fixed= --per-doc $PER_DOC --blocks 128,32" ;;
+        # the same samples with 128-token and 32-token selection blocks side by side: 25% attended, from 8K on 12.5%
+        # too, from 16K on a fixed 2048 tokens too (issue 10's secondary budgets)
+        -b32) local shares=0.25 fixed=
+              [ "$n" -ge 8 ] && shares=0.25,0.125
+              [ "$n" -ge 16 ] && fixed=2048
+              echo "passkey $samples --shares $shares --fixed=$fixed --per-doc $PER_DOC --blocks 128,32" ;;
         esac ;;
     fidelity-b32)
         echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32" ;;
