@@ -133,7 +133,8 @@ def test_stage_table_budgets_and_sizes(tmp_path: Path) -> None:
         "passkey-8k-dl0: passkey --samples 8192:100 --shares 0.25 --fixed= --per-doc 10 "
         "--harness-arg=--sparse-attn-dense-last --harness-arg=0",
         "passkey-4k-b32: passkey --samples 4096:100 --shares 0.25 --fixed= --per-doc 10 --blocks 128,32",
-        "passkey-8k-b32: passkey --samples 8192:100 --shares 0.25,0.125 --fixed= --per-doc 10 --blocks 128,32",
+        "passkey-8k-b32: passkey --samples 8192:100 --shares 0.25,0.125 --fixed= --per-doc 10 "
+        "--blocks 128,32",
         "passkey-16k-b32: passkey --samples 16384:100 --shares 0.25,0.125 --fixed=2048 --per-doc 10 "
         "--blocks 128,32",
         "passkey-64k-b32: unknown"]
