@@ -66,6 +66,28 @@ def test_copies_between_steps_count_as_gap(tmp_path: Path) -> None:
     assert s["span_us_per_step"] == 15.0
 
 
+def test_stray_kernel_between_steps_counts_as_gap(tmp_path: Path) -> None:
+    """Prompt ubatches whose output norm runs alone after a host-side split (one kernel, well after the
+    ubatch): the ubatches still form one group with their gaps; the stray kernel is no group of its own."""
+    kp = _load()
+    trace = tmp_path / "t.tsv"
+    _trace(trace, steps=6, step_gap_ns=200_000)
+    lines = trace.read_text().splitlines()
+    starts = [int(ln.split("\t")[1]) for ln in lines[1:] if "flash_attn_ext_vec" in ln]
+    for t in starts[1:]:  # 100 us before each next step: 85 us after the previous one ends
+        lines.append(f"K\t{t - 100_000}\t{t - 99_000}\t1\t7\t1,1,1\t32,1,1\trms_norm_f32")
+    trace.write_text("\n".join(lines) + "\n")
+    steps = kp.split_steps(kp.read_trace(str(trace)), gap_ns=30_000)
+    assert len(steps) == 11
+    (group,) = kp.group_steps(steps, min_steps=4)
+    s = kp.summarize(group)
+    assert s["steps"] == 6
+    assert s["gap_us_median"] == 200.0
+    assert s["span_us_per_step"] == 15.0
+    assert s["step_span_us"] == [15.0] * 6
+    assert s["step_gap_us"] == [None] + [200.0] * 5
+
+
 def test_steps_split_only_at_idle_gaps(tmp_path: Path) -> None:
     kp = _load()
     trace = tmp_path / "t.tsv"

@@ -18,7 +18,9 @@
 # `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch bench pack --rev upstream/<pin>
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
-# Stages (default: tests bench budgets bench-q8 bench-14b): also bench-b32 (the bench budget in 32-token blocks), perf, batched, rebuild-cost, test-fa-all, serving,
+# Stages (default: tests bench budgets bench-q8 bench-14b): also bench-b32 (the bench budget in 32-token blocks),
+# bench-pp (llama-bench pp512 after BENCH_PP_DEPTHS cells, default 32768,65536, dense and sparse), perf, batched,
+# rebuild-cost, test-fa-all, serving,
 # quality (ci/device/quality.sh fg: issue 10's selector quality on real prose, Gemma 3 270M), batched4,
 # batched8 (llama-batched-bench B = 4 and 8 at BATCHED8_NPP cells each, unified and per sequence),
 # rpc (issue 15: layers split between CUDA0 and a ggml-rpc-server on loopback, ci/device/rpc.sh),
@@ -27,6 +29,7 @@
 # longctx (decode at a synthetic depth, LONGCTX_CASES "KV:DEPTH ..." default "f16:131072 f16:524288 q8_0:1048576",
 # dense and sparse (LONGCTX_TOPK x LONGCTX_BLOCK, default 32 x 128), traced: the harness's --synthetic-depth tiles a
 # 4096-token prompt's state to the depth; `bench report` reads the JSONs as model "8b-synth")
+# (PROFILE_DEPTHS=" " leaves the decode timelines out)
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072; BENCH_ARGS: more llama-bench
 # arguments for it, e.g. "-sadt 0,1": the layer rule off and on, and dense twice, which shows the run-to-run spread)
 # (SERVING_SHAPE: the serving stage's model, default 1b, used when OPENCOTI_SHAPES wrote it)
@@ -233,6 +236,9 @@ start() {
             done ;;
         budgets)
             bench bench-budgets "$M8B" -r 2 -d 131072 -sa 1 -sak 8,16 ;;
+        bench-pp) # prompt processing at a depth: one 512-token ubatch timed after the depth's prefill, dense and sparse
+            run_stage bench-pp "$BIN/llama-bench" -m "$M8B" -ngl $NGL -fa 1 -p 512 -n 0 -o json -r 3 \
+                -d "${BENCH_PP_DEPTHS:-32768,65536}" -sa 0,1 ;;
         bench-b32) # the bench stage's 4096-token top-k budget in 32-token blocks (128 x 32), sparse only
             bench bench-b32 "$M8B" -r 2 -d "${BENCH_B32_DEPTHS:-32768,131072}" -sa 1 -sab 32 -sak 128 ;;
         bench-q8)

@@ -11,8 +11,9 @@ and span (first start to last end). Kernels launched with programmatic dependent
 their predecessor ends and wait on the GPU, so their durations overlap: *exclusive* time counts only
 what an activity adds past everything that started before it (the exclusive times of a step add up
 to its span minus idle time). *gap* is the idle time from the end of a step to the start of the next
-step of the same group: host work between two decode tokens (graph build, inputs such as the KQ
-mask, sampling). Where the trace has the runtime API calls (kind R), each gap is split into the time
+step of the same group: host work between two decode tokens or prompt ubatches (graph build, inputs
+such as the KQ mask, sampling); copies and stray steps of one or two kernels in it are part of the gap.
+Where the trace has the runtime API calls (kind R), each gap is split into the time
 inside CUDA calls, per call (cudaGraphLaunch, cudaMemcpyAsync, ...; clipped to the gap) and the time
 outside any CUDA call: the program's own host work (medians over the gaps).
 """
@@ -44,6 +45,7 @@ class Group:
     steps: list[list[Activity]] = field(default_factory=list)
     gaps: list[int] = field(default_factory=list)  # ns from the end of a step to the next step of this group
     gap_windows: list[tuple[int, int]] = field(default_factory=list)  # (end of a step, start of the next), ns
+    gap_before: dict[int, float] = field(default_factory=dict)  # id(step) -> µs after the previous step
 
 
 def demangle(names: set[str]) -> dict[str, str]:
@@ -103,20 +105,27 @@ def split_steps(acts: list[Activity], gap_ns: int) -> list[list[Activity]]:
     return steps
 
 
+# a step of at most this many kernels/memsets is not a step of its own (see group_steps); a decode or prompt
+# ubatch of any model launches hundreds
+STRAY_MAX_KERNELS = 2
+
+
 def group_steps(steps: list[list[Activity]], min_steps: int) -> list[Group]:
     groups: dict[tuple[str, ...], Group] = {}
     prev: tuple[tuple[str, ...], int] | None = None
     for s in steps:
         sig = tuple(a.name.split(":")[0] for a in s if a.kind in "KS")
-        if not sig:
-            # copies only (the inputs a decode uploads before its graph, the logits after it, once the GPU has
-            # caught up with the host): part of the gap between two steps of a group, not a step of its own
+        if len(sig) <= STRAY_MAX_KERNELS:
+            # copies only (the inputs a decode uploads before its graph, the logits after it, once the GPU
+            # has caught up with the host), or a stray kernel or two (a prompt ubatch's output norm after a
+            # host-side split): part of the gap between two steps of a group, not a step of its own
             continue
         g = groups.setdefault(sig, Group(sig))
         g.steps.append(s)
         if prev is not None and prev[0] == sig:
             g.gaps.append(s[0].start - prev[1])
             g.gap_windows.append((prev[1], s[0].start))
+            g.gap_before[id(s)] = (s[0].start - prev[1]) / 1e3
         prev = (sig, max(a.end for a in s))
     out = [g for g in groups.values() if len(g.steps) >= min_steps]
     out.sort(key=lambda g: (g.steps[0][0].start))
@@ -202,6 +211,10 @@ def summarize(g: Group, api: list[Activity] | None = None) -> dict:
         "gap_us_median": gaps[len(gaps) // 2] / 1e3 if gaps else None,
         "host": host_breakdown(g.gap_windows, api or []),
         "kernels": kernels,
+        # per step, in timeline order (a prompt's ubatches by depth): span, and the gap after the previous
+        # step of the group (None: none right before it)
+        "step_span_us": [(max(a.end for a in st) - st[0].start) / 1e3 for st in g.steps],
+        "step_gap_us": [g.gap_before.get(id(st)) for st in g.steps],
     }
 
 
