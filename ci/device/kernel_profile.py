@@ -43,9 +43,7 @@ class Activity:
 class Group:
     signature: tuple[str, ...]
     steps: list[list[Activity]] = field(default_factory=list)
-    gaps: list[int] = field(default_factory=list)  # ns from the end of a step to the next step of this group
     gap_windows: list[tuple[int, int]] = field(default_factory=list)  # (end of a step, start of the next), ns
-    gap_before: dict[int, float] = field(default_factory=dict)  # id(step) -> µs after the previous step
 
 
 def demangle(names: set[str]) -> dict[str, str]:
@@ -123,9 +121,7 @@ def group_steps(steps: list[list[Activity]], min_steps: int) -> list[Group]:
         g = groups.setdefault(sig, Group(sig))
         g.steps.append(s)
         if prev is not None and prev[0] == sig:
-            g.gaps.append(s[0].start - prev[1])
             g.gap_windows.append((prev[1], s[0].start))
-            g.gap_before[id(s)] = (s[0].start - prev[1]) / 1e3
         prev = (sig, max(a.end for a in s))
     out = [g for g in groups.values() if len(g.steps) >= min_steps]
     out.sort(key=lambda g: (g.steps[0][0].start))
@@ -179,7 +175,8 @@ def host_breakdown(windows: list[tuple[int, int]], api: list[Activity]) -> dict 
 def summarize(g: Group, api: list[Activity] | None = None) -> dict:
     n = len(g.steps)
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # calls, ns, exclusive ns
-    busy = span = 0
+    busy = 0
+    spans = [max(a.end for a in s) - s[0].start for s in g.steps]  # ns, per step
     for s in g.steps:
         covered = s[0].start  # everything before this is accounted for
         for a in s:
@@ -189,7 +186,6 @@ def summarize(g: Group, api: list[Activity] | None = None) -> dict:
             per_kernel[key][2] += max(0, a.end - max(a.start, covered))
             covered = max(covered, a.end)
             busy += a.end - a.start
-        span += max(a.end for a in s) - s[0].start
     kernels = [
         {
             "name": k,
@@ -201,20 +197,21 @@ def summarize(g: Group, api: list[Activity] | None = None) -> dict:
         for k, v in per_kernel.items()
     ]
     kernels.sort(key=lambda k: -k["exclusive_us_per_step"])
-    gaps = sorted(g.gaps)
+    gaps = sorted(start - end for end, start in g.gap_windows)  # ns
+    gap_after = {start: (start - end) / 1e3 for end, start in g.gap_windows}  # µs, by the later step's start
     return {
         "label": label(g),
         "steps": n,
         "activities_per_step": len(g.signature),
         "busy_us_per_step": busy / n / 1e3,
-        "span_us_per_step": span / n / 1e3,
+        "span_us_per_step": sum(spans) / n / 1e3,
         "gap_us_median": gaps[len(gaps) // 2] / 1e3 if gaps else None,
         "host": host_breakdown(g.gap_windows, api or []),
         "kernels": kernels,
         # per step, in timeline order (a prompt's ubatches by depth): span, and the gap after the previous
         # step of the group (None: none right before it)
-        "step_span_us": [(max(a.end for a in st) - st[0].start) / 1e3 for st in g.steps],
-        "step_gap_us": [g.gap_before.get(id(st)) for st in g.steps],
+        "step_span_us": [sp / 1e3 for sp in spans],
+        "step_gap_us": [gap_after.get(st[0].start) for st in g.steps],
     }
 
 
