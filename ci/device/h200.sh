@@ -25,7 +25,7 @@
 # batched8 (llama-batched-bench B = 4 and 8 at BATCHED8_NPP cells each, unified and per sequence),
 # rpc (issue 15: layers split between CUDA0 and a ggml-rpc-server on loopback, ci/device/rpc.sh),
 # profile (a kernel timeline of llama-bench at each of PROFILE_DEPTHS, default 131072, dense and sparse, and with
-# PROFILE_PP="off on" of a 32K prompt: kernel-trace.cpp + kernel_profile.py),
+# PROFILE_PP="off on" of a prompt of PROFILE_PP_NPP tokens, default 32768: kernel-trace.cpp + kernel_profile.py),
 # longctx (decode at a synthetic depth, LONGCTX_CASES "KV:DEPTH ..." default "f16:131072 f16:524288 q8_0:1048576",
 # dense and sparse (LONGCTX_TOPK x LONGCTX_BLOCK, default 32 x 128), traced: the harness's --synthetic-depth tiles a
 # 4096-token prompt's state to the depth; `bench report` reads the JSONs as model "8b-synth")
@@ -251,9 +251,10 @@ start() {
                 run_stage "profile-8b-$d" profile "profile-8b-$d" "$M8B" -d "$d" -sa 0,1 -sak 32
             done
             # prompt processing (real prefill, one sequence) with sparse attention off and on
+            local npp=${PROFILE_PP_NPP:-32768}
             for sa in ${PROFILE_PP:-}; do
                 run_stage "profile-pp-$sa" traced "profile-pp-$sa" "$BIN/llama-batched-bench" -m "$M8B" -ngl $NGL \
-                    -fa on -c 33000 -b 2048 -ub 512 -npp 32768 -ntg 8 -npl 1 --sparse-attn "$sa"
+                    -fa on -c $((npp + 256)) -b 2048 -ub 512 -npp "$npp" -ntg 8 -npl 1 --sparse-attn "$sa"
             done ;;
         quality) # issue 10 on the H200 (ci/device/quality.sh inputs + receive first), alone on the GPU
             # shellcheck disable=SC2086
