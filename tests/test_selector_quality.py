@@ -372,3 +372,24 @@ def test_qk_dump_is_reused_only_for_the_same_text_and_arguments(tmp_path: Path,
     env.qk_dump(d, "prompt two", ["--layers", "5,11"], "dump")  # other layers
     assert calls.read_text() == "xxx"
     assert (d / "text.txt").read_text() == "prompt two"
+
+
+def test_sum_scorer_f16_sums_round_after_every_addition() -> None:
+    s = recall.parse_scorer("sum16-f16")
+    assert (s.kind, s.sub, s.f16_sums, s.name) == ("sum", 16, True, "sum16-f16")
+    assert s.bytes_per_token(128) == 16.0 and recall.parse_scorer("sum16").bytes_per_token(128) == 32.0
+    with pytest.raises(OpencotiError):
+        recall.parse_scorer("mean16-f16")  # only the sums are stored that way
+    # page 0: 2048 + 1 + 1 -> 2048 in f16 with a rounding per addition (2050 rounded once);
+    # page 1: one key, then no keys (NaN); page 2: no key at all
+    ks = np.full((3, 3, 2), np.nan, np.float32)
+    ks[0, :, 0] = [2048.0, 1.0, 1.0]
+    ks[0, :, 1] = [0.1, 0.2, 0.3]
+    ks[1, 0, :] = [1.5, -2.0]
+    sums = recall.page_sums(ks, True)
+    assert sums[0, 0] == 2048.0
+    assert recall.page_sums(ks, False)[0, 0] == 2050.0
+    f32 = np.float32
+    ref = np.float16(f32(np.float16(f32(0.1) + f32(0.2))) + f32(0.3))  # f32 additions, each rounded to f16
+    assert sums[0, 1] == f32(ref)
+    assert list(sums[1]) == [1.5, -2.0] and np.isnan(sums[2]).all()

@@ -16,6 +16,9 @@ Scorers (each from keys alone, as the KV cache holds them, f16-rounded):
   (``sub`` = block size: one bound per block), block score = max over its sub-blocks, max over the
   query heads of the KV head;
 - ``mean``: ``q . mean(k)`` per sub-block, same reductions (an estimate, not a bound);
+- ``sum``: ``q . sum(k)`` per sub-block, the side-cache of the patches (the same ranking as ``mean`` for
+  full pages); ``sum16-f16`` keeps each sum in f16, rounded after every addition in key order, as the
+  side-cache does;
 - ``mid``: ``q . (kmin + kmax)/2`` per sub-block: the centre of Quest's box, from the same min/max side-cache;
 - ``midlse``: the box centre as the page's key, aggregated like ``mlse`` (log-sum-exp over pages and heads);
 - ``meanstd``: ``q . mean(k) + c * sqrt(sum_d q_d^2 var_d(k))`` per sub-block (a statistical bound);
@@ -53,15 +56,18 @@ class Scorer:
     sub: int  # keys per scored sub-block (divides the block size)
     c: float = 0.0  # meanstd only
     head_reduce: str = "max"  # max | sum | lex | maxmean (over the query heads of a KV head)
+    f16_sums: bool = False  # sum only: the sums kept in f16, rounded after every addition
 
     @property
     def name(self) -> str:
         extra = f"-c{self.c:g}" if self.kind == "meanstd" else ""
         red = "" if self.head_reduce == "max" else f"-{self.head_reduce}"
-        return f"{self.kind}{self.sub}{extra}{red}"
+        return f"{self.kind}{self.sub}{extra}{red}{'-f16' if self.f16_sums else ''}"
 
     def bytes_per_token(self, head_dim: int, bytes_per_value: int = 4) -> float:
         """Side-cache bytes per token of context and KV head."""
+        if self.f16_sums:
+            bytes_per_value = 2
         vectors = 2 if self.kind in ("minmax", "mid", "midlse", "meanstd", "lse") else 1
         return vectors * head_dim * bytes_per_value / self.sub
 
@@ -70,22 +76,36 @@ HEAD_REDUCE = ("max", "sum", "lex", "maxmean", "rr")
 
 
 def parse_scorer(text: str) -> Scorer:
-    """``minmax16``, ``mean32``, ``meanstd128-c2``, ``minmax16-sum``."""
+    """``minmax16``, ``mean32``, ``meanstd128-c2``, ``minmax16-sum``, ``sum16-f16``."""
     parts = text.split("-")
     head = parts[0]
     kind = head.rstrip("0123456789")
-    if kind not in ("minmax", "mid", "midlse", "mean", "meanstd", "lse", "mlse") or kind == head:
-        raise OpencotiError(f"unknown scorer {text!r} (e.g. minmax16, mean32, meanstd128-c2)")
+    if kind not in ("minmax", "mid", "midlse", "mean", "sum", "meanstd", "lse", "mlse") or kind == head:
+        raise OpencotiError(f"unknown scorer {text!r} (e.g. minmax16, mean32, sum16-f16, meanstd128-c2)")
     sub = int(head[len(kind):])
-    c, red = 0.0, "max"
+    c, red, f16_sums = 0.0, "max", False
     for p in parts[1:]:
         if p.startswith("c"):
             c = float(p[1:])
         elif p in HEAD_REDUCE:
             red = p
+        elif p == "f16" and kind == "sum":
+            f16_sums = True
         else:
             raise OpencotiError(f"unknown scorer option {p!r} in {text!r}")
-    return Scorer(kind, sub, c, red)
+    return Scorer(kind, sub, c, red, f16_sums)
+
+
+def page_sums(ks: np.ndarray, f16_sums: bool) -> np.ndarray:
+    """Sums of the keys of each sub-block, ks [nsub, sub, D] (NaN: no key) -> [nsub, D], in key order; with
+    ``f16_sums`` rounded to f16 after every addition (the side-cache of the patches)."""
+    if not f16_sums:
+        return np.nansum(ks, axis=1)
+    acc = np.full((ks.shape[0], ks.shape[2]), np.nan, np.float32)
+    for i in range(ks.shape[1]):
+        v = ks[:, i, :]
+        acc = np.where(np.isnan(v), acc, f16(np.where(np.isnan(acc), v, acc + v)))
+    return acc
 
 
 def f16(x: np.ndarray) -> np.ndarray:
@@ -130,6 +150,8 @@ def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale
         kmin, kmax = np.nanmin(ks, axis=1), np.nanmax(ks, axis=1)
         s = (np.einsum("ngd,sd->ngs", np.maximum(q, 0), kmax)
              + np.einsum("ngd,sd->ngs", np.minimum(q, 0), kmin))
+    elif scorer.kind == "sum":
+        s = np.einsum("ngd,sd->ngs", q, page_sums(ks, scorer.f16_sums))
     elif scorer.kind in ("mid", "midlse"):
         s = np.einsum("ngd,sd->ngs", q, 0.5 * (np.nanmin(ks, axis=1) + np.nanmax(ks, axis=1)))
         if scorer.kind == "midlse":
