@@ -393,3 +393,62 @@ def test_sum_scorer_f16_sums_round_after_every_addition() -> None:
     ref = np.float16(f32(np.float16(f32(0.1) + f32(0.2))) + f32(0.3))  # f32 additions, each rounded to f16
     assert sums[0, 1] == f32(ref)
     assert list(sums[1]) == [1.5, -2.0] and np.isnan(sums[2]).all()
+
+
+def test_variants_per_block_score() -> None:
+    """--scores max,mass: each score its own sparse variants at the same budgets, the harness told the
+    score."""
+    vs = needle.variants_for(8192, [0.25], [], scores=["max", "mass"])
+    assert [v.name for v in vs] == ["dense", "sparse-25%", "sparse-25%-mass", "window-25%"]
+    assert "score" not in vs[1].json() and vs[2].json()["score"] == "mass"
+    assert vs[1].json()["topk"] == vs[2].json()["topk"]
+    assert "--sparse-attn-score" not in vs[1].cfg.args()
+    assert vs[2].cfg.args()[-2:] == ["--sparse-attn-score", "mass"]
+    assert vs[3].cfg.score == "max"  # the window ranks nothing
+    both = needle.variants_for(8192, [0.25], [], blocks=[128, 32], scores=["max", "mass"])
+    assert [v.name for v in both][1:5] == ["sparse-25%", "sparse-25%-mass", "sparse-25%-b32",
+                                           "sparse-25%-b32-mass"]
+
+
+def test_selector_cli_refuses_an_unknown_score(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from opencoti_patch.cli.main import cli
+
+    res = CliRunner().invoke(cli, ["selector", "passkey", "--build", str(tmp_path), "--scores", "max,best"])
+    assert res.exit_code != 0 and "scores are max or mass" in res.output
+
+
+def test_mass_score_is_the_true_block_mass_for_constant_pages() -> None:
+    """mlse-norm estimates each head's softmax over the blocks from the pages' mean keys: where every key of a
+    page is its mean, the estimate is exact, and the score is log(G x the head-averaged block mass)."""
+    rng = np.random.default_rng(3)
+    g, d, n_tok, sub, block = 4, 8, 512, 16, 128
+    pages = rng.normal(size=(n_tok // sub, d)).astype(np.float32)
+    k = np.repeat(pages, sub, axis=0)  # every key of a page equals the page's mean
+    q = rng.normal(size=(1, g, d)).astype(np.float32) * 2
+    positions = np.array([n_tok - 1])
+    mass = recall.block_mass(q, k, positions, 0.5, block)[0]
+    for name in ("mlse16-norm", "lse16-norm"):
+        score = recall.block_scores(q, k, recall.parse_scorer(name), block, 0.5, positions)[0]
+        assert np.allclose(np.exp(score), g * mass, rtol=1e-4), name
+    # maxnorm divides each head by its best page instead of its sum: the same order of the blocks for one head
+    one = recall.block_scores(q[:, :1], k, recall.parse_scorer("mlse16-maxnorm"), block, 0.5, positions)[0]
+    true = recall.block_mass(q[:, :1], k, positions, 0.5, block)[0]
+    assert np.argsort(-one).tolist() == np.argsort(-true).tolist()
+
+
+def test_mass_score_weighs_each_head_by_its_own_softmax() -> None:
+    """A loud head (large logits everywhere) decides the plain log-sum-exp over heads; normalised per head,
+    a quiet head's one clear favourite counts as much as the loud head's."""
+    d, block = 2, 16
+    k = np.zeros((4 * block, d), np.float32)
+    k[0:16, 0] = 1.0   # block 0: the loud head's direction, a little
+    k[16:32, 0] = 1.2  # block 1: the loud head's best, by a small margin
+    k[32:48, 1] = 3.0  # block 2: the quiet head's clear favourite
+    q = np.array([[[20.0, 0.0], [0.0, 1.0]]], np.float32)  # head 0 loud on d0, head 1 quiet on d1
+    positions = np.array([4 * block - 1])
+    plain = recall.block_scores(q, k, recall.parse_scorer("mlse16"), block, 1.0, positions)[0]
+    norm = recall.block_scores(q, k, recall.parse_scorer("mlse16-norm"), block, 1.0, positions)[0]
+    assert np.argsort(-plain)[:2].tolist() == [1, 0]  # the loud head's two blocks first
+    assert 2 in np.argsort(-norm)[:2].tolist()  # the quiet head's favourite among the first two

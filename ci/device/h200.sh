@@ -33,6 +33,8 @@
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072; BENCH_ARGS: more llama-bench
 # arguments for it, e.g. "-sadt 0,1": the layer rule off and on, and dense twice, which shows the run-to-run spread)
 # (SERVING_SHAPE: the serving stage's model, default 1b, used when OPENCOTI_SHAPES wrote it)
+# selbench (issue 12: ci/device/select-bench.cu, the fused select and its variants timed per phase, at SELBENCH_DEPTHS
+# cells, default "32768 131072 524288")
 set -u
 ROOT=$(pwd)
 W=${OPENCOTI_DEVICE_WORK:-/tmp/ocw}
@@ -296,6 +298,13 @@ start() {
                     else run_stage "$name" "${cmd[@]}"; fi
                 done
             done ;;
+        selbench) # issue 12: the select kernel against its variants of ci/device/select-bench.cu, score phase and top-k
+            # timed apart (L2 cold and warm); fails when a variant's block lists differ from the tree's kernel's
+            run_stage selbench-build nvcc -std=c++17 -O3 -arch=sm_90 -use_fast_math -extended-lambda -DNDEBUG \
+                -I"$SRC/ggml/include" -I"$SRC/ggml/src" -I"$SRC/ggml/src/ggml-cuda" "$ROOT/ci/device/select-bench.cu" \
+                -L"$BIN" -lggml-cuda -lggml-base -lggml -Xlinker -rpath -Xlinker "$BIN" -o "$W/select-bench" &&
+            # shellcheck disable=SC2086  # SELBENCH_DEPTHS: n_kv values (words)
+            run_stage selbench "$W/select-bench" ${SELBENCH_DEPTHS:-32768 131072 524288} ;;
         rpc) # issue 15 step 1: layers split between CUDA0 and an RPC server on loopback (ci/device/rpc.sh)
             run_stage rpc env BIN="$BIN" SRC="$SRC" M8B="$M8B" LOG="$LOG" NGL=$NGL ROOT="$ROOT" bash ci/device/rpc.sh ;;
         *) echo "unknown stage $s" >> "$LOG/status" ;;

@@ -406,6 +406,19 @@ _blocks_option = click.option(
     "--blocks", default=str(needle.BLOCK), show_default=True, callback=lambda _c, _p, v: int_list(v),
     help="Selection block sizes (tokens), each its own sparse variants (suffix -b<size> after the first). "
          "The series takes multiples of 32 (the column slices of its CUDA flash attention).")
+_scores_option = click.option(
+    "--scores", default="max", show_default=True,
+    callback=lambda _c, _p, v: _score_list(v),
+    help="Block scores (--sparse-attn-score: max, mass), each its own sparse variants (suffix -<score> after "
+         "the first; with several --blocks, every block size with every score).")
+
+
+def _score_list(text: str) -> list[str]:
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in out if s not in ("max", "mass")]
+    if bad or not out:
+        raise click.BadParameter(f"scores are max or mass, comma-separated (got {text!r})")
+    return out
 
 
 @selector_group.command("passkey")
@@ -419,18 +432,19 @@ _blocks_option = click.option(
               help="Samples that share one filler text (each its own depth, key and wording; the prefill of "
                    "the shared prefix is reused): fewer = more distinct texts, more prefill.")
 @_blocks_option
+@_scores_option
 def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
                     seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, ngl: int,
                     harness_args: tuple[str, ...], samples: str, shares: str, fixed: str,
-                    per_doc: int, blocks: list[int]) -> None:
+                    per_doc: int, blocks: list[int], scores: list[str]) -> None:
     """Passkey retrieval in real prose, dense and sparse (each budget) and the window, same samples."""
     env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
     res = needle.run_passkey(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=_pairs(samples),
                              shares=fraction_list(shares), fixed_tokens=int_list(fixed), seed=seed,
                              threads=threads, log_dir=env.work / "logs", progress=info, per_doc=per_doc,
-                             offload=env.offload, blocks=blocks)
+                             offload=env.offload, blocks=blocks, scores=scores)
     _save(out_dir, name, "passkey", {"command": _command(), "n_generate": 8, **res},
-          env.meta() | {"blocks": blocks})
+          env.meta() | {"blocks": blocks, "scores": scores})
 
 
 @selector_group.command("fidelity")
@@ -442,18 +456,20 @@ def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None,
 @click.option("--shares", default="0.25,0.125", show_default=True, help="Attended shares of the context.")
 @click.option("--fixed", default="2048", show_default=True, help="Fixed attended budgets in tokens.")
 @_blocks_option
+@_scores_option
 def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                      prose_dirs: tuple[Path, ...], seed: int, threads: int, out_dir: Path, name: str,
                      work_dir: Path | None, ngl: int, harness_args: tuple[str, ...], contexts: str,
-                     steps: int, n_texts: int, shares: str, fixed: str, blocks: list[int]) -> None:
+                     steps: int, n_texts: int, shares: str, fixed: str, blocks: list[int],
+                     scores: list[str]) -> None:
     """KL(dense || sparse) and top-1 agreement over teacher-forced decode steps of real prose."""
     env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
     res = needle.run_fidelity(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=int_list(contexts),
                               shares=fraction_list(shares), fixed_tokens=int_list(fixed), steps=steps,
                               seed=seed, threads=threads, log_dir=env.work / "logs", samples=n_texts,
-                              offload=env.offload, blocks=blocks)
+                              offload=env.offload, blocks=blocks, scores=scores)
     _save(out_dir, name, "fidelity", {"command": _command(), **res},
-          env.meta() | {"blocks": blocks})
+          env.meta() | {"blocks": blocks, "scores": scores})
 
 
 @selector_group.command("served")

@@ -84,14 +84,16 @@ class AttnConfig:
     min_ctx: int = 1
     fraction: float | None = None  # the budget as a fraction of the context, when made from one
     window: bool = False  # a sliding-window baseline (top-k 0: sink + a long recent window), not the selector
+    score: str = "max"  # the block score (--sparse-attn-score): max | mass
 
     def args(self) -> list[str]:
         if not self.sparse:
             return []
+        score = [] if self.score == "max" else ["--sparse-attn-score", self.score]
         return ["--sparse-attn", "on", "--sparse-attn-topk", str(self.topk),
                 "--sparse-attn-block-size", str(self.block_size), "--sparse-attn-recent", str(self.recent),
                 "--sparse-attn-sink", str(self.sink), "--sparse-attn-dense-layers", str(self.dense_layers),
-                "--sparse-attn-min-ctx", str(self.min_ctx)]
+                "--sparse-attn-min-ctx", str(self.min_ctx), *score]
 
     @property
     def sink_blocks(self) -> int:  # mirrors llama_sparse_attn_params::n_sink_blocks
@@ -117,7 +119,7 @@ class AttnConfig:
                 "recent_blocks": self.recent_blocks if self.sparse else 0, "dense_layers": self.dense_layers,
                 "min_ctx": self.min_ctx, "fraction": self.fraction, "n_kv": n_kv, "n_blocks": n_blocks,
                 "attended_blocks": att, "attended_tokens": att * self.block_size,
-                "attended_fraction": att / n_blocks, "args": " ".join(self.args())}
+                "attended_fraction": att / n_blocks, "score": self.score, "args": " ".join(self.args())}
 
 
 DENSE = AttnConfig("dense")

@@ -61,18 +61,21 @@ class Variant:
         c = self.cfg
         if not c.sparse:
             return {"name": self.name, "sparse_attn": False}
+        score = {} if c.score == "max" else {"score": c.score}
         return {"name": self.name, "sparse_attn": True, "topk": c.topk, "block_size": c.block_size,
-                "recent": c.recent, "sink": c.sink, "dense_layers": c.dense_layers, "min_ctx": 1}
+                "recent": c.recent, "sink": c.sink, "dense_layers": c.dense_layers, "min_ctx": 1, **score}
 
     def attended(self, n_ctx: int) -> int:
         return self.cfg.attended_blocks(n_ctx) * self.cfg.block_size
 
 
-def sparse_variant(n_ctx: int, attended_tokens: int, name: str, block: int = BLOCK) -> Variant:
+def sparse_variant(n_ctx: int, attended_tokens: int, name: str, block: int = BLOCK,
+                   score: str = "max") -> Variant:
     """Sparse attention attending ``attended_tokens`` of ``n_ctx`` (whole blocks of ``block`` tokens): sink +
-    recent + top-k (the sink and recent token counts are the same for every block size)."""
+    recent + top-k (the sink and recent token counts are the same for every block size), blocks ranked by
+    ``score``."""
     base = AttnConfig(name, sparse=True, topk=1, block_size=block, sink=SINK, recent=RECENT, min_ctx=1,
-                      fraction=attended_tokens / n_ctx)
+                      fraction=attended_tokens / n_ctx, score=score)
     top_k = round(attended_tokens / block) - base.sink_blocks - base.recent_blocks
     if top_k < 1:
         raise OpencotiError(f"{attended_tokens} attended tokens of {n_ctx} leave no top-k block")
@@ -80,24 +83,28 @@ def sparse_variant(n_ctx: int, attended_tokens: int, name: str, block: int = BLO
 
 
 def variants_for(n_ctx: int, shares: Sequence[float], fixed_tokens: Sequence[int],
-                 window: bool = True, blocks: Sequence[int] = (BLOCK,)) -> list[Variant]:
+                 window: bool = True, blocks: Sequence[int] = (BLOCK,),
+                 scores: Sequence[str] = ("max",)) -> list[Variant]:
     """dense, sparse at each share of the context and at each smaller fixed budget, the window of the first
-    share. ``blocks``: the selection block sizes, each its own sparse variants (the first named as before,
-    the others with a ``-b<size>`` suffix); the window is that of the first."""
+    share. ``blocks`` x ``scores``: the selection block sizes and block scores, each pair its own sparse
+    variants (the first named as before, the others with a ``-b<size>`` and/or ``-<score>`` suffix); the
+    window is that of the first."""
     out = [Variant("dense", AttnConfig("dense"))]
     for bi, block in enumerate(blocks):
-        sfx = "" if bi == 0 else f"-b{block}"
-        probe = sparse_variant(n_ctx, n_ctx, "", block).cfg
-        min_tokens = (probe.sink_blocks + probe.recent_blocks + 1) * block
-        first = len(out)
-        for share in shares:  # a share below sink + recent + 1 block has no top-k at this context: not run
-            if round(share * n_ctx) >= min_tokens:
-                name = f"sparse-{share * 100:g}%{sfx}"
-                out.append(sparse_variant(n_ctx, round(share * n_ctx), name, block))
-        for tokens in fixed_tokens:  # a fixed budget below the shares' and not one of them
-            if tokens < n_ctx * min(shares, default=1.0) and \
-                    all(v.attended(n_ctx) != tokens for v in out[first:]):
-                out.append(sparse_variant(n_ctx, tokens, f"sparse-{tokens}t{sfx}", block))
+        for si, score in enumerate(scores):
+            sfx = ("" if bi == 0 else f"-b{block}") + ("" if si == 0 else f"-{score}")
+            probe = sparse_variant(n_ctx, n_ctx, "", block).cfg
+            min_tokens = (probe.sink_blocks + probe.recent_blocks + 1) * block
+            first = len(out)
+            # a share below sink + recent + 1 block has no top-k at this context: not run
+            for share in shares:
+                if round(share * n_ctx) >= min_tokens:
+                    name = f"sparse-{share * 100:g}%{sfx}"
+                    out.append(sparse_variant(n_ctx, round(share * n_ctx), name, block, score))
+            for tokens in fixed_tokens:  # a fixed budget below the shares' and not one of them
+                if tokens < n_ctx * min(shares, default=1.0) and \
+                        all(v.attended(n_ctx) != tokens for v in out[first:]):
+                    out.append(sparse_variant(n_ctx, tokens, f"sparse-{tokens}t{sfx}", block, score))
     if window and len(out) > 1:
         w = window_config(out[1].cfg, n_ctx)
         out.append(Variant(f"window-{out[1].name.removeprefix('sparse-')}", w))
@@ -249,12 +256,13 @@ def harness_ctx(n_ctx: int, n_generate: int) -> int:
 def run_passkey(exe: Path, model: Path, paragraphs: list[str], *, contexts: dict[int, int],
                 shares: Sequence[float], fixed_tokens: Sequence[int], seed: int, threads: int, log_dir: Path,
                 n_generate: int = 8, progress: Callable[[str], None] | None = None, per_doc: int = PER_DOC,
-                offload: Offload = Offload(), blocks: Sequence[int] = (BLOCK,)) -> dict[str, Any]:
+                offload: Offload = Offload(), blocks: Sequence[int] = (BLOCK,),
+                scores: Sequence[str] = ("max",)) -> dict[str, Any]:
     t0 = time.monotonic()
     cpt = chars_per_token(exe, model, paragraphs, log_dir / "fit.log")
     by_ctx: dict[str, Any] = {}
     for n_ctx, count in contexts.items():
-        variants = variants_for(n_ctx, shares, fixed_tokens, blocks=blocks)
+        variants = variants_for(n_ctx, shares, fixed_tokens, blocks=blocks, scores=scores)
         samples = make_samples(seed, n_ctx, count, len(paragraphs), per_doc)
         filler_chars = int((n_ctx - 160 - n_generate) * cpt * 0.96)
         # deepest needle first within a filler: a prompt shares its text up to its needle with the one before
@@ -303,14 +311,14 @@ def run_passkey(exe: Path, model: Path, paragraphs: list[str], *, contexts: dict
 def run_fidelity(exe: Path, model: Path, paragraphs: list[str], *, contexts: Sequence[int],
                  shares: Sequence[float], fixed_tokens: Sequence[int], steps: int, seed: int, threads: int,
                  log_dir: Path, samples: int = 1, offload: Offload = Offload(),
-                 blocks: Sequence[int] = (BLOCK,)) -> dict[str, Any]:
+                 blocks: Sequence[int] = (BLOCK,), scores: Sequence[str] = ("max",)) -> dict[str, Any]:
     t0 = time.monotonic()
     cpt = chars_per_token(exe, model, paragraphs, log_dir / "fit.log")
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="opencoti-fidelity-") as tmp:
         for n_ctx in contexts:
-            variants = variants_for(n_ctx, shares, fixed_tokens, blocks=blocks)
+            variants = variants_for(n_ctx, shares, fixed_tokens, blocks=blocks, scores=scores)
             n_prefill = n_ctx - steps - 16
             reqs = [{"id": f"f{n_ctx}-{i}", "text": take_text(paragraphs, rng.randrange(len(paragraphs)),
                                                               int(n_ctx * cpt * 1.1)),

@@ -25,12 +25,17 @@ Scorers (each from keys alone, as the KV cache holds them, f16-rounded):
 - ``lse``: an estimate of the block's attention mass itself: per sub-block and query head, the log of
   ``sub * exp(s*q.mean(k) + s^2/2 * sum_d q_d^2 var_d(k))`` (keys as independent normals per channel,
   s = the softmax scale), then log-sum-exp over the sub-blocks and the query heads;
-- ``mlse``: the same without the variance term.
+- ``mlse``: the same without the variance term;
+- ``mmax``: ``mlse`` with the block's best sub-block instead of the log-sum-exp over its sub-blocks.
 
 Query-head reductions (scorer suffix): ``max`` (default, the op's), ``sum`` (the summed query), ``lex``
 (max, the sum breaking exact ties), ``maxmean`` (max + mean over the query heads: a soft tie-breaker), ``rr``
 (each query head ranks the blocks by its own score and the heads take turns: a block's place is its best place
-in any head's ranking, ties by the max; the top-k is the union of every head's first k/G or so).
+in any head's ranking, ties by the max; the top-k is the union of every head's first k/G or so), ``norm``
+(``lse``/``mlse``/``midlse`` only: each head's estimated block weights divided by their sum over the visible
+blocks, an estimate of that head's softmax, before the sum over the heads), ``maxnorm`` (the same, divided by
+the head's largest page weight over the visible blocks instead of the sum), ``normguard`` (``norm``, and each
+head's heaviest visible block first).
 
 Budget splits (:class:`Split`): at a fixed number of attended blocks, the recent window is a fixed number of
 tokens or a share of the attended tokens, and the top-k fills the rest. With several splits,
@@ -72,7 +77,7 @@ class Scorer:
         return vectors * head_dim * bytes_per_value / self.sub
 
 
-HEAD_REDUCE = ("max", "sum", "lex", "maxmean", "rr")
+HEAD_REDUCE = ("max", "sum", "lex", "maxmean", "rr", "norm", "maxnorm", "normguard", "normmax", "normmaxsum")
 
 
 def parse_scorer(text: str) -> Scorer:
@@ -80,7 +85,8 @@ def parse_scorer(text: str) -> Scorer:
     parts = text.split("-")
     head = parts[0]
     kind = head.rstrip("0123456789")
-    if kind not in ("minmax", "mid", "midlse", "mean", "sum", "meanstd", "lse", "mlse") or kind == head:
+    kinds = ("minmax", "mid", "midlse", "mean", "sum", "meanstd", "lse", "mlse", "mmax")
+    if kind not in kinds or kind == head:
         raise OpencotiError(f"unknown scorer {text!r} (e.g. minmax16, mean32, sum16-f16, meanstd128-c2)")
     sub = int(head[len(kind):])
     c, red, f16_sums = 0.0, "max", False
@@ -137,8 +143,10 @@ def _logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
     return np.squeeze(m, axis) + np.log(np.sum(np.exp(x - m), axis=axis))
 
 
-def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale: float) -> np.ndarray:
-    """Scores per block: q [N, G, D], k [T, D] (f16-rounded as cached) -> [N, nb]."""
+def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale: float,
+                 positions: np.ndarray | None = None) -> np.ndarray:
+    """Scores per block: q [N, G, D], k [T, D] (f16-rounded as cached) -> [N, nb]. ``positions``: those of the
+    queries (default: the last N), for the ``norm`` reduction."""
     if block % scorer.sub:
         raise OpencotiError(f"scorer sub-block {scorer.sub} does not divide block size {block}")
     n_tok, d = k.shape
@@ -162,7 +170,7 @@ def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale
         if scorer.kind == "meanstd":
             var = np.nanvar(ks, axis=1)
             s = s + scorer.c * np.sqrt(np.einsum("ngd,sd->ngs", q * q, var))
-        elif scorer.kind in ("lse", "mlse"):
+        elif scorer.kind in ("lse", "mlse", "mmax"):
             s = scale * s + np.log(scorer.sub)
             if scorer.kind == "lse":
                 s = s + 0.5 * scale * scale * np.einsum("ngd,sd->ngs", q * q, np.nanvar(ks, axis=1))
@@ -172,8 +180,32 @@ def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale
     if padsub:
         s = np.concatenate([s, np.full(s.shape[:2] + (padsub,), -np.inf, s.dtype)], axis=2)
     s = s.reshape(s.shape[0], s.shape[1], nb, per_block)
-    if scorer.kind in ("lse", "mlse", "midlse"):  # estimated mass: sum over the sub-blocks and query heads
-        return _logsumexp(_logsumexp(s, 3), 1)
+    if scorer.kind in ("lse", "mlse", "midlse", "mmax"):  # estimated mass: over sub-blocks, query heads
+        blk = s.max(axis=3) if scorer.kind == "mmax" else _logsumexp(s, 3)
+        if scorer.head_reduce in ("norm", "maxnorm", "normguard", "normmax", "normmaxsum"):
+            # norm: each head's estimated weights over its visible blocks normalised to 1 (the softmax of that
+            # head), so that the block's estimated share of the head-averaged mass is ranked, not its raw
+            # weight;
+            # maxnorm: divided by the head's largest page weight instead (no sum over the blocks)
+            if positions is None:
+                positions = np.arange(n_tok - q.shape[0], n_tok)
+            vis = (np.arange(nb)[None, :] <= (np.asarray(positions) // block)[:, None])[:, None, :]
+            if scorer.head_reduce != "maxnorm":
+                blk = blk - _logsumexp(np.where(vis, blk, -np.inf), 2)[:, :, None]
+            else:
+                blk = blk - np.max(np.where(vis, s.max(axis=3), -np.inf), axis=2)[:, :, None]
+            if scorer.head_reduce == "normmax":  # the largest estimated share of any one head
+                return blk.max(axis=1)
+            if scorer.head_reduce == "normmaxsum":  # largest share + summed share
+                return np.logaddexp(blk.max(axis=1), _logsumexp(blk, 1))
+            if scorer.head_reduce == "normguard":
+                # norm, and every head's own heaviest visible block ranks first (a head that attends to one
+                # place keeps it)
+                out = _logsumexp(blk, 1)
+                best = np.argmax(np.where(vis, blk, -np.inf), axis=2)  # [N, G]
+                np.put_along_axis(out, best, np.inf, axis=1)
+                return out
+        return _logsumexp(blk, 1)
     s = s.max(axis=3)  # over the sub-blocks
     return reduce_heads(s, scorer.head_reduce)
 
@@ -390,7 +422,7 @@ def needle_kept(q: np.ndarray, k: np.ndarray, positions: np.ndarray, needle_bloc
     """Per query (at ``positions``) of one KV head's group: does each scorer (and the oracle by true mass, and
     the window) keep a block holding the needle? q [N, G, D] and k [T, D] of one KV head."""
     kc = f16(k)
-    ranks = {s.name: block_scores(q, kc, s, block, scale) for s in scorers}
+    ranks = {s.name: block_scores(q, kc, s, block, scale, positions) for s in scorers}
     ranks["oracle"] = block_mass(q, kc, positions, scale, block)
     out: dict[str, list[bool]] = {name: [] for name in [*ranks, "window"]}
     for n, t in enumerate(positions):
