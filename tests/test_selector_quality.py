@@ -452,3 +452,15 @@ def test_mass_score_weighs_each_head_by_its_own_softmax() -> None:
     norm = recall.block_scores(q, k, recall.parse_scorer("mlse16-norm"), block, 1.0, positions)[0]
     assert np.argsort(-plain)[:2].tolist() == [1, 0]  # the loud head's two blocks first
     assert 2 in np.argsort(-norm)[:2].tolist()  # the quiet head's favourite among the first two
+
+
+def test_union_scorer_takes_turns_between_rankings() -> None:
+    s = recall.parse_scorer("sum16+mlse16-norm")
+    assert s.kind == "union" and s.name == "sum16+mlse16-norm"
+    assert [p.name for p in s.parts] == ["sum16", "mlse16-norm"]
+    a = np.array([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    b = a[:, ::-1].copy()
+    # a's best, b's best, a's second, b's second, ...
+    assert np.argsort(-recall._union_ranks([a, b]), kind="stable")[0].tolist() == [0, 5, 1, 4, 2, 3]
+    # where both agree, the union is that ranking
+    assert np.argsort(-recall._union_ranks([a, a]), kind="stable")[0].tolist() == [0, 1, 2, 3, 4, 5]

@@ -62,15 +62,20 @@ class Scorer:
     c: float = 0.0  # meanstd only
     head_reduce: str = "max"  # max | sum | lex | maxmean (over the query heads of a KV head)
     f16_sums: bool = False  # sum only: the sums kept in f16, rounded after every addition
+    parts: tuple[Scorer, ...] = ()  # union only: the rankings that take turns
 
     @property
     def name(self) -> str:
+        if self.kind == "union":
+            return "+".join(p.name for p in self.parts)
         extra = f"-c{self.c:g}" if self.kind == "meanstd" else ""
         red = "" if self.head_reduce == "max" else f"-{self.head_reduce}"
         return f"{self.kind}{self.sub}{extra}{red}{'-f16' if self.f16_sums else ''}"
 
     def bytes_per_token(self, head_dim: int, bytes_per_value: int = 4) -> float:
         """Side-cache bytes per token of context and KV head."""
+        if self.kind == "union":
+            return max(p.bytes_per_token(head_dim, bytes_per_value) for p in self.parts)
         if self.f16_sums:
             bytes_per_value = 2
         vectors = 2 if self.kind in ("minmax", "mid", "midlse", "meanstd", "lse") else 1
@@ -81,7 +86,11 @@ HEAD_REDUCE = ("max", "sum", "lex", "maxmean", "rr", "norm", "maxnorm", "normgua
 
 
 def parse_scorer(text: str) -> Scorer:
-    """``minmax16``, ``mean32``, ``meanstd128-c2``, ``minmax16-sum``, ``sum16-f16``."""
+    """``minmax16``, ``mean32``, ``meanstd128-c2``, ``minmax16-sum``, ``sum16-f16``; ``A+B``: the union of A's
+    and B's rankings, taking turns."""
+    if "+" in text:
+        subs = tuple(parse_scorer(t) for t in text.split("+"))
+        return Scorer("union", subs[0].sub, parts=subs)
     parts = text.split("-")
     head = parts[0]
     kind = head.rstrip("0123456789")
@@ -147,6 +156,8 @@ def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale
                  positions: np.ndarray | None = None) -> np.ndarray:
     """Scores per block: q [N, G, D], k [T, D] (f16-rounded as cached) -> [N, nb]. ``positions``: those of the
     queries (default: the last N), for the ``norm`` reduction."""
+    if scorer.kind == "union":
+        return _union_ranks([block_scores(q, k, p, block, scale, positions) for p in scorer.parts])
     if block % scorer.sub:
         raise OpencotiError(f"scorer sub-block {scorer.sub} does not divide block size {block}")
     n_tok, d = k.shape
@@ -208,6 +219,20 @@ def block_scores(q: np.ndarray, k: np.ndarray, scorer: Scorer, block: int, scale
         return _logsumexp(blk, 1)
     s = s.max(axis=3)  # over the sub-blocks
     return reduce_heads(s, scorer.head_reduce)
+
+
+def _places(s: np.ndarray) -> np.ndarray:
+    """[N, nb] scores -> the place of each block in its row's ranking (0 = best; ties: lower id first)."""
+    order = np.argsort(-s, axis=-1, kind="stable")
+    place = np.empty(s.shape, dtype=np.int64)
+    np.put_along_axis(place, order, np.broadcast_to(np.arange(s.shape[-1]), s.shape), axis=-1)
+    return place
+
+
+def _union_ranks(scores: list[np.ndarray]) -> np.ndarray:
+    """Rankings that take turns: a block's rank is its best place in any of them, ties by the first."""
+    best = np.min(np.stack([_places(s) for s in scores]), axis=0).astype(np.float64)
+    return -best - _places(scores[0]) / (scores[0].shape[-1] + 1.0)
 
 
 def reduce_heads(s: np.ndarray, how: str) -> np.ndarray:
