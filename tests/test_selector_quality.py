@@ -416,7 +416,7 @@ def test_selector_cli_refuses_an_unknown_score(tmp_path: Path) -> None:
     from opencoti_patch.cli.main import cli
 
     res = CliRunner().invoke(cli, ["selector", "passkey", "--build", str(tmp_path), "--scores", "max,best"])
-    assert res.exit_code != 0 and "scores are max or mass" in res.output
+    assert res.exit_code != 0 and "scores are max, mass or maxmean" in res.output
 
 
 def test_mass_score_is_the_true_block_mass_for_constant_pages() -> None:

@@ -409,15 +409,15 @@ _blocks_option = click.option(
 _scores_option = click.option(
     "--scores", default="max", show_default=True,
     callback=lambda _c, _p, v: _score_list(v),
-    help="Block scores (--sparse-attn-score: max, mass), each its own sparse variants (suffix -<score> after "
-         "the first; with several --blocks, every block size with every score).")
+    help="Block scores (--sparse-attn-score: max, mass, maxmean), each its own sparse variants (suffix "
+         "-<score> after the first; with several --blocks, every block size with every score).")
 
 
 def _score_list(text: str) -> list[str]:
     out = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in out if s not in ("max", "mass")]
+    bad = [s for s in out if s not in ("max", "mass", "maxmean")]
     if bad or not out:
-        raise click.BadParameter(f"scores are max or mass, comma-separated (got {text!r})")
+        raise click.BadParameter(f"scores are max, mass or maxmean, comma-separated (got {text!r})")
     return out
 
 

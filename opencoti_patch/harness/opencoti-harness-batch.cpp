@@ -30,7 +30,7 @@
 //
 // --variants FILE (a tree with the sparse attention patches): one JSON object per line, each a decode variant with
 //   "name" and the sparse settings to override ("sparse_attn" bool, "topk", "block_size", "recent", "sink",
-//   "dense_layers", "min_ctx", "score": "max" or "mass"). Each variant gets its own context (the command line's settings + its overrides). A
+//   "dense_layers", "min_ctx", "score": "max", "mass" or "maxmean"). Each variant gets its own context (the command line's settings + its overrides). A
 //   request is prefilled once, in the main context (the command line's settings: run it dense), then its sequence
 //   state is copied into each variant's context (llama_state_seq_set_data: a sparse context rebuilds its key bounds
 //   exactly from the copied keys) and the decode steps run there, one output line per variant with "variant": name.
@@ -138,11 +138,12 @@ bool batch_load_variants(const std::string & path, llama_model * model, const co
         if (v.contains("score")) {
 #ifdef OPENCOTI_HAVE_SPARSE_ATTN_SCORE
             const std::string score = v.value("score", std::string("max"));
-            if (score != "max" && score != "mass") {
-                fprintf(stderr, "error: %s: unknown score '%s' (max or mass)\n", path.c_str(), score.c_str());
+            if (score != "max" && score != "mass" && score != "maxmean") {
+                fprintf(stderr, "error: %s: unknown score '%s' (max, mass or maxmean)\n", path.c_str(), score.c_str());
                 return false;
             }
-            cp.sparse_attn_score = score == "mass" ? LLAMA_SPARSE_ATTN_SCORE_MASS : LLAMA_SPARSE_ATTN_SCORE_MAX;
+            cp.sparse_attn_score = score == "mass"    ? LLAMA_SPARSE_ATTN_SCORE_MASS :
+                                   score == "maxmean" ? LLAMA_SPARSE_ATTN_SCORE_MAXMEAN : LLAMA_SPARSE_ATTN_SCORE_MAX;
 #else
             fprintf(stderr, "error: %s: \"score\" needs a tree with --sparse-attn-score\n", path.c_str());
             return false;

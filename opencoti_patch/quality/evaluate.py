@@ -84,7 +84,7 @@ class AttnConfig:
     min_ctx: int = 1
     fraction: float | None = None  # the budget as a fraction of the context, when made from one
     window: bool = False  # a sliding-window baseline (top-k 0: sink + a long recent window), not the selector
-    score: str = "max"  # the block score (--sparse-attn-score): max | mass
+    score: str = "max"  # the block score (--sparse-attn-score): max | mass | maxmean
 
     def args(self) -> list[str]:
         if not self.sparse:
