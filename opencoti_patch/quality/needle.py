@@ -91,10 +91,10 @@ def variants_for(n_ctx: int, shares: Sequence[float], fixed_tokens: Sequence[int
     window is that of the first."""
     out = [Variant("dense", AttnConfig("dense"))]
     for bi, block in enumerate(blocks):
+        probe = sparse_variant(n_ctx, n_ctx, "", block).cfg
+        min_tokens = (probe.sink_blocks + probe.recent_blocks + 1) * block
         for si, score in enumerate(scores):
             sfx = ("" if bi == 0 else f"-b{block}") + ("" if si == 0 else f"-{score}")
-            probe = sparse_variant(n_ctx, n_ctx, "", block).cfg
-            min_tokens = (probe.sink_blocks + probe.recent_blocks + 1) * block
             first = len(out)
             # a share below sink + recent + 1 block has no top-k at this context: not run
             for share in shares:

@@ -246,10 +246,7 @@ def reduce_heads(s: np.ndarray, how: str) -> np.ndarray:
         return smax + ssum / s.shape[1]
     if how == "rr":
         # place of each block in each head's own ranking (0 = that head's best; ties: lower block id first)
-        order = np.argsort(-s, axis=2, kind="stable")
-        place = np.empty(s.shape, dtype=np.int64)
-        np.put_along_axis(place, order, np.broadcast_to(np.arange(s.shape[2]), s.shape), axis=2)
-        best = place.min(axis=1).astype(np.float64)
+        best = _places(s).min(axis=1).astype(np.float64)
         # rank: a better (smaller) best place first; within one place, the higher max score first
         tie = np.argsort(np.argsort(smax, axis=1, kind="stable"), axis=1, kind="stable") / (s.shape[2] + 1.0)
         return -best + tie
