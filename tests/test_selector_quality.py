@@ -410,13 +410,25 @@ def test_variants_per_block_score() -> None:
                                            "sparse-25%-b32-mass"]
 
 
+def test_oracle_variant_is_the_mass_score_over_one_cell_pages() -> None:
+    """--scores oracle: the MASS score with pages of one cell (the keys themselves), in the harness variant
+    and in the llama.cpp flags alike; the other scores keep the default page size."""
+    vs = needle.variants_for(8192, [0.25], [], scores=["max", "oracle"])
+    assert [v.name for v in vs] == ["dense", "sparse-25%", "sparse-25%-oracle", "window-25%"]
+    assert "page_size" not in vs[1].json()
+    assert {k: vs[2].json()[k] for k in ("score", "page_size")} == {"score": "mass", "page_size": 1}
+    assert vs[2].cfg.args()[-4:] == ["--sparse-attn-score", "mass", "--sparse-attn-page-size", "1"]
+    mass = needle.variants_for(8192, [0.25], [], scores=["mass"])[1]
+    assert "--sparse-attn-page-size" not in mass.cfg.args()
+
+
 def test_selector_cli_refuses_an_unknown_score(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from opencoti_patch.cli.main import cli
 
     res = CliRunner().invoke(cli, ["selector", "passkey", "--build", str(tmp_path), "--scores", "max,best"])
-    assert res.exit_code != 0 and "scores are max, mass or maxmean" in res.output
+    assert res.exit_code != 0 and "scores are max, mass, maxmean, oracle" in res.output
 
 
 def test_mass_score_is_the_true_block_mass_for_constant_pages() -> None:

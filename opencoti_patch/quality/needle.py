@@ -61,9 +61,9 @@ class Variant:
         c = self.cfg
         if not c.sparse:
             return {"name": self.name, "sparse_attn": False}
-        score = {} if c.score == "max" else {"score": c.score}
         return {"name": self.name, "sparse_attn": True, "topk": c.topk, "block_size": c.block_size,
-                "recent": c.recent, "sink": c.sink, "dense_layers": c.dense_layers, "min_ctx": 1, **score}
+                "recent": c.recent, "sink": c.sink, "dense_layers": c.dense_layers, "min_ctx": 1,
+                **c.score_settings()}
 
     def attended(self, n_ctx: int) -> int:
         return self.cfg.attended_blocks(n_ctx) * self.cfg.block_size
