@@ -139,14 +139,15 @@ def test_stage_table_budgets_and_sizes(tmp_path: Path) -> None:
         "--blocks 128,32",
         "passkey-64k-b32: unknown"]
     # the oracle stages: MAX and the exact-mass ranking (mass over one-cell pages) side by side
-    res = _sh(script, "args", "passkey-4k-oracle", "passkey-8k-oracle", "fidelity-oracle", OPENCOTI_DEVICE_CUDA="1")
+    res = _sh(script, "args", "passkey-4k-oracle", "passkey-8k-oracle", "fidelity-oracle",
+              OPENCOTI_DEVICE_CUDA="1")
     assert res.stdout.splitlines() == [
         "passkey-4k-oracle: passkey --samples 4096:100 --shares 0.25 --fixed= --per-doc 10 --blocks 128,32 "
-        "--scores max,oracle",
+        "--scores max,max-p4,oracle",
         "passkey-8k-oracle: passkey --samples 8192:100 --shares 0.25,0.125 --fixed= --per-doc 10 "
-        "--blocks 128,32 --scores max,oracle",
+        "--blocks 128,32 --scores max,max-p4,oracle",
         "fidelity-oracle: fidelity --contexts 8192,16384 --steps 256 --texts 2 --shares 0.25 --fixed= "
-        "--blocks 128,32 --scores max,oracle"]
+        "--blocks 128,32 --scores max,max-p4,oracle"]
     res = _sh(script, "args", "passkey-4k", "fidelity", OPENCOTI_DEVICE_CUDA="0")  # the CPU dry run: tiny
     assert res.stdout.splitlines() == [
         "passkey-4k: passkey --samples 2048:4 --shares 0.5 --fixed 768 --per-doc 2",

@@ -9,6 +9,7 @@ import pytest
 
 from opencoti_patch.errors import OpencotiError
 from opencoti_patch.quality import needle, prose, recall
+from opencoti_patch.quality.evaluate import parse_score
 
 LONG = ("This paragraph is long enough to count as prose for the corpus, because it has well over "
         "twenty-five words in it and it ends with a full stop like a real sentence does in running text.")
@@ -420,6 +421,12 @@ def test_oracle_variant_is_the_mass_score_over_one_cell_pages() -> None:
     assert vs[2].cfg.args()[-4:] == ["--sparse-attn-score", "mass", "--sparse-attn-page-size", "1"]
     mass = needle.variants_for(8192, [0.25], [], scores=["mass"])[1]
     assert "--sparse-attn-page-size" not in mass.cfg.args()
+    p4 = needle.variants_for(8192, [0.25], [], scores=["max", "max-p4"])[2]
+    assert p4.name == "sparse-25%-max-p4" and p4.json()["page_size"] == 4 and "score" not in p4.json()
+    assert p4.cfg.args()[-2:] == ["--sparse-attn-page-size", "4"]
+    for bad in ("max-p0", "max-px", "sum-p4", "oracle-p2"):
+        with pytest.raises(OpencotiError):
+            parse_score(bad)
 
 
 def test_selector_cli_refuses_an_unknown_score(tmp_path: Path) -> None:
@@ -428,7 +435,7 @@ def test_selector_cli_refuses_an_unknown_score(tmp_path: Path) -> None:
     from opencoti_patch.cli.main import cli
 
     res = CliRunner().invoke(cli, ["selector", "passkey", "--build", str(tmp_path), "--scores", "max,best"])
-    assert res.exit_code != 0 and "scores are max, mass, maxmean, oracle" in res.output
+    assert res.exit_code != 0 and "unknown block score 'best'" in res.output
 
 
 def test_mass_score_is_the_true_block_mass_for_constant_pages() -> None:

