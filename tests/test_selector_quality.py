@@ -483,3 +483,46 @@ def test_union_scorer_takes_turns_between_rankings() -> None:
     assert np.argsort(-recall._union_ranks([a, b]), kind="stable")[0].tolist() == [0, 5, 1, 4, 2, 3]
     # where both agree, the union is that ranking
     assert np.argsort(-recall._union_ranks([a, a]), kind="stable")[0].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_passkey_counts_lost_and_gained_answers_paired_with_dense(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each variant's report says on how many prompts it is wrong where dense is right, and the reverse."""
+    paras = [LONG.replace("This", f"Text {i}") * 40 for i in range(12)]
+    keys = {s.sid: s.key for s in needle.make_samples(1, 8192, 4, len(paras), 1)}
+    sids = sorted(keys)
+    # dense right on the first three; the sparse variant right on the first and the last
+    right = {"dense": set(sids[:3]), "sparse-25%": {sids[0], sids[3]}}
+
+    def fake_run_variants(exe: Path, model: Path, n_ctx: int, variants: list[needle.Variant],
+                          reqs: list[dict[str, object]], **kw: object) -> list[dict[str, object]]:
+        out = []
+        for r in reqs:
+            for v in variants:
+                sid = str(r["id"])
+                ans = keys[sid] if sid in right.get(v.name, set()) else "99999"
+                out.append({"id": sid, "variant": v.name, "n_tokens": 8000, "text": f" {ans}",
+                            "ms_decode": 1.0, "ms_prefill": 1.0, "n_prefill": 8000, "reused": 0})
+        return out
+
+    monkeypatch.setattr(needle, "chars_per_token", lambda *a, **k: 4.0)
+    monkeypatch.setattr(needle, "run_variants", fake_run_variants)
+    res = needle.run_passkey(Path("harness"), Path("m.gguf"), paras, contexts={8192: 4}, shares=[0.25],
+                             fixed_tokens=[], seed=1, threads=1, log_dir=tmp_path, per_doc=1)
+    v = res["contexts"]["8192"]["variants"]
+    assert (v["dense"]["correct"], v["dense"]["lost"], v["dense"]["gained"]) == (3, 0, 0)
+    assert (v["sparse-25%"]["correct"], v["sparse-25%"]["lost"], v["sparse-25%"]["gained"]) == (2, 2, 1)
+    assert (v["window-25%"]["correct"], v["window-25%"]["lost"], v["window-25%"]["gained"]) == (0, 3, 0)
+
+    import json  # noqa: PLC0415
+
+    from opencoti_patch.config import Settings  # noqa: PLC0415
+    from opencoti_patch.report import render  # noqa: PLC0415
+
+    res.update(command="opencoti-patch selector passkey", n_generate=8)
+    docs = Path(__file__).resolve().parents[1] / "docs" / "results"
+    data = json.loads((docs / "quality-selector.json").read_text())
+    context = {"recall": None, "fidelity": None, "needles": None, **data, "passkey": res}
+    md = render(Settings.resolve().templates_dirs, "quality-selector.md.j2", **context)
+    assert "| lost | gained |" in md
+    assert "| 8192 | 4 | sparse-25% | 2048 | 2 | 1 | 2 | 1 |" in md  # agrees with dense on the first only

@@ -348,16 +348,34 @@ wait_for() {
     collect
 }
 
+RUN_PID=$W.pid # the detached run's session leader (outside $W, which start empties)
+
+refuse_if_in_flight() { # two runs on one machine would build and measure over each other
+    local pid; pid=$(cat "$RUN_PID" 2>/dev/null) || return 0
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+        echo "h200.sh: a run is still in flight on this machine (pid $pid; $LOG/status):" \
+             "'$0 wait SECONDS' follows it, 'kill -- -$pid' stops it" >&2
+        exit 1
+    fi
+}
+
+launch() { # the detached run of the stages: _run, in its own session, its pid kept
+    setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null &
+    echo $! > "$RUN_PID"
+}
+
 case ${1:-} in
-    start) shift; rm -rf "$W"; mkdir -p "$LOG"; setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null & ;;
-    pipeline) shift; rm -rf "$W"; mkdir -p "$LOG/artifacts"
-        MODE=pipeline setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null & ;;
+    start|pipeline|resume) refuse_if_in_flight ;;
+esac
+case ${1:-} in
+    start) shift; rm -rf "$W"; mkdir -p "$LOG"; launch "$@" ;;
+    pipeline) shift; rm -rf "$W"; mkdir -p "$LOG/artifacts"; MODE=pipeline launch "$@" ;;
     resume) shift # a warm machine: keep $W (build, models, logs), update the sources, rebuild incrementally
         if [ -f "$BUILD/build.ninja" ] || [ -f "$BUILD/Makefile" ]; then
             mkdir -p "$LOG/prev"; mv "$LOG"/*.* "$LOG/prev/" 2>/dev/null; : > "$LOG/status"
-            MODE=resume setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null &
+            MODE=resume launch "$@"
         else # a fresh machine: as start
-            rm -rf "$W"; mkdir -p "$LOG"; setsid nohup bash "$0" _run "$@" > "$W/run.log" 2>&1 < /dev/null &
+            rm -rf "$W"; mkdir -p "$LOG"; launch "$@"
         fi ;;
     _run)  shift; start "$@" ;;
     wait)  wait_for "${2:-540}" ;;

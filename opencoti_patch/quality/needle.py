@@ -286,9 +286,13 @@ def run_passkey(exe: Path, model: Path, paragraphs: list[str], *, contexts: dict
             per[r["variant"]]["answers"][s.sid] = ans
             per[r["variant"]]["correct"] += ans == s.key
         dense = per["dense"]["answers"]
+        dense_right = {sid for sid, a in dense.items() if a == keys[sid].key}
         for v in variants:
             p = per[v.name]
             p["agree_dense"] = sum(p["answers"][sid] == dense[sid] for sid in dense)
+            # paired on the same prompts: lost where dense is right and the variant not, gained the reverse
+            right = {sid for sid, a in p["answers"].items() if a == keys[sid].key}
+            p["lost"], p["gained"] = len(dense_right - right), len(right - dense_right)
             p["attended_tokens"] = v.attended(n_ctx)
             p["topk"] = v.cfg.topk if v.cfg.sparse else None
             p["wrong"] = [{"sid": sid, "key": keys[sid].key, "answer": a, "depth": round(keys[sid].depth, 3),

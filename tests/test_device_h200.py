@@ -1,0 +1,56 @@
+"""ci/device/h200.sh: one detached run per machine. A second `start`/`resume`/`pipeline` while a run is in
+flight would rebuild and measure over the first one (seen on a warm device: two builds at once)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "ci" / "device" / "h200.sh"
+
+
+def _h200(work: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OPENCOTI_DEVICE_CUDA": "0", "OPENCOTI_DEVICE_WORK": str(work)}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env,
+                          cwd=work.parent, timeout=60)
+
+
+@pytest.mark.parametrize("verb", ["start", "resume", "pipeline"])
+def test_a_second_run_is_refused_while_one_is_in_flight(tmp_path: Path, verb: str) -> None:
+    work = tmp_path / "ocw"
+    (work / "log").mkdir(parents=True)
+    (work / "log" / "status").write_text("12:00:00 begin build\n")
+    runner = subprocess.Popen(["sleep", "60"])
+    try:
+        (tmp_path / "ocw.pid").write_text(f"{runner.pid}\n")
+        res = _h200(work, verb, "tests")
+        assert res.returncode == 1
+        assert f"in flight on this machine (pid {runner.pid}" in res.stderr
+        assert f"kill -- -{runner.pid}" in res.stderr and "wait SECONDS" in res.stderr
+        # nothing of the running one is touched
+        assert (work / "log" / "status").read_text() == "12:00:00 begin build\n"
+        assert runner.poll() is None
+    finally:
+        runner.kill()
+        runner.wait()
+
+
+def test_a_finished_run_does_not_block_the_next(tmp_path: Path) -> None:
+    """A pid file left by a run that has ended: `start` launches, and keeps the new run's pid."""
+    work = tmp_path / "ocw"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    pid_file = tmp_path / "ocw.pid"
+    pid_file.write_text(f"{dead.pid}\n")
+    res = _h200(work, "start", "tests")  # no .carry here: the run fails fast, at prepare or build
+    assert res.returncode == 0, res.stderr
+    pid = int(pid_file.read_text())
+    assert pid != dead.pid
+    try:
+        _h200(work, "wait", "30")
+        assert "begin prepare" in (work / "log" / "status").read_text()
+    finally:
+        subprocess.run(["kill", "--", f"-{pid}"], capture_output=True)
