@@ -148,6 +148,18 @@ def test_stage_table_budgets_and_sizes(tmp_path: Path) -> None:
         "--blocks 128,32 --scores max,max-p4,oracle",
         "fidelity-oracle: fidelity --contexts 8192,16384 --steps 256 --texts 2 --shares 0.25 --fixed= "
         "--blocks 128,32 --scores max,max-p4,oracle"]
+    # candidate scores side by side: $SCORES, default MAX against MAXMEAN over 16- and 4-cell pages
+    res = _sh(script, "args", "passkey-4k-scores", "passkey-32k-scores", "fidelity-scores",
+              OPENCOTI_DEVICE_CUDA="1")
+    assert res.stdout.splitlines() == [
+        "passkey-4k-scores: passkey --samples 4096:100 --shares 0.25 --fixed= --per-doc 10 "
+        "--scores max,maxmean,maxmean-p4",
+        "passkey-32k-scores: passkey --samples 32768:100 --shares 0.25,0.125 --fixed= --per-doc 10 "
+        "--scores max,maxmean,maxmean-p4",
+        "fidelity-scores: fidelity --contexts 8192,16384,32768 --steps 256 --texts 2 --shares 0.25 --fixed= "
+        "--scores max,maxmean,maxmean-p4"]
+    res = _sh(script, "args", "passkey-8k-scores", OPENCOTI_DEVICE_CUDA="1", SCORES="max,mass-p1")
+    assert res.stdout.strip().endswith("--scores max,mass-p1")
     res = _sh(script, "args", "passkey-4k", "fidelity", OPENCOTI_DEVICE_CUDA="0")  # the CPU dry run: tiny
     assert res.stdout.splitlines() == [
         "passkey-4k: passkey --samples 2048:4 --shares 0.5 --fixed 768 --per-doc 2",

@@ -35,6 +35,9 @@
 #              --sparse-attn-score mass --sparse-attn-page-size 1; its select runs on the CPU), 25% attended (from
 #              8K on also 12.5%): what a perfect ranking would answer, and how close finer pages come
 #   fidelity-oracle: (not in the default list) fidelity at 8K and 16K, 25% attended, the same six variants
+#   passkey-N-scores, fidelity-scores: (not in the default list) the scores of $SCORES (default max,maxmean,
+#              maxmean-p4: candidates for the default score) side by side, 128-token blocks: passkey at 25% attended
+#              (from 8K on also 12.5%), fidelity at 8K, 16K and 32K, 25% attended
 #   passkey-N-b32, fidelity-b32: (not in the default list) 128-token and 32-token selection blocks side by side
 #              on the same samples: 25% attended (passkey from 8K on also 12.5%, from 16K on also 2048 tokens;
 #              fidelity at 8K and 16K)
@@ -59,6 +62,7 @@ SAMPLES=${SAMPLES:-100}
 STEPS=${STEPS:-256}
 FID_TEXTS=${FID_TEXTS:-2}
 RECALL_TEXTS=${RECALL_TEXTS:-2}
+SCORES=${SCORES:-max,maxmean,maxmean-p4}            # the -scores stages: block scores side by side
 PER_DOC=${PER_DOC:-10}                               # passkey samples per filler text (10 texts per context)
 THREADS=${THREADS:-4}
 if [ "$CUDA" = 1 ]; then
@@ -268,10 +272,12 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
         return 0
     fi
     case $s in
-    passkey-4k|passkey-8k|passkey-16k|passkey-32k|passkey-*k-dl0|passkey-*k-b32|passkey-*k-oracle)
+    passkey-4k|passkey-8k|passkey-16k|passkey-32k|passkey-*k-dl0|passkey-*k-b32|passkey-*k-oracle|passkey-*k-scores)
         local n=${s#passkey-}; n=${n%%k*}
         case $n in 4|8|16|32) ;; *) return 1 ;; esac
         local samples="--samples $((n * 1024)):$SAMPLES"
+        local shares=0.25 # the comparison stages: 25% attended, from 8K on 12.5% too
+        [ "$n" -ge 8 ] && shares=0.25,0.125
         case ${s#passkey-"$n"k} in
         "")   echo "passkey $samples --shares 0.25,0.125 --fixed 2048 --per-doc $PER_DOC" ;;
         # the same samples with the last full-attention layer sparse too (--sparse-attn-dense-last 0): what the
@@ -279,20 +285,21 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
         -dl0) echo "passkey $samples --shares 0.25 --fixed= --per-doc $PER_DOC --harness-arg=--sparse-attn-dense-last --harness-arg=0" ;;
         # the same samples with 128-token and 32-token selection blocks side by side: 25% attended, from 8K on 12.5%
         # too, from 16K on a fixed 2048 tokens too (issue 10's secondary budgets)
-        -b32) local shares=0.25 fixed=
-              [ "$n" -ge 8 ] && shares=0.25,0.125
+        -b32) local fixed=
               [ "$n" -ge 16 ] && fixed=2048
               echo "passkey $samples --shares $shares --fixed=$fixed --per-doc $PER_DOC --blocks 128,32" ;;
         # the same samples ranked by MAX, by MAX over 4-cell pages and by the oracle (each block's exact share of
         # the attention: the MASS score over pages of one cell), 128- and 32-token blocks: 25% attended, from 8K
         # on 12.5% too. What a perfect ranking of the blocks would answer, i.e. how much of the gap to dense any
         # score can close
-        -oracle) local shares=0.25
-              [ "$n" -ge 8 ] && shares=0.25,0.125
-              echo "passkey $samples --shares $shares --fixed= --per-doc $PER_DOC --blocks 128,32 --scores max,max-p4,oracle" ;;
+        -oracle) echo "passkey $samples --shares $shares --fixed= --per-doc $PER_DOC --blocks 128,32 --scores max,max-p4,oracle" ;;
+        # the same samples ranked by each score of $SCORES (128-token blocks): candidates for the default
+        -scores) echo "passkey $samples --shares $shares --fixed= --per-doc $PER_DOC --scores $SCORES" ;;
         esac ;;
     fidelity-oracle)
         echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32 --scores max,max-p4,oracle" ;;
+    fidelity-scores)
+        echo "fidelity --contexts 8192,16384,32768 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --scores $SCORES" ;;
     fidelity-b32)
         echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32" ;;
     fidelity) echo "fidelity --contexts 8192,16384,32768 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed 2048" ;;
