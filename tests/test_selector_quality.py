@@ -409,6 +409,13 @@ def test_variants_per_block_score() -> None:
     both = needle.variants_for(8192, [0.25], [], blocks=[128, 32], scores=["max", "mass"])
     assert [v.name for v in both][1:5] == ["sparse-25%", "sparse-25%-mass", "sparse-25%-b32",
                                            "sparse-25%-b32-mass"]
+    # a first score or block size other than the defaults says so in its name (a report row named plain
+    # `sparse-25%` is MAX over 128-token blocks); the window keeps its plain name
+    other = needle.variants_for(8192, [0.25], [2048], blocks=[32], scores=["maxmean", "maxmean-p4"])
+    assert [v.name for v in other] == ["dense", "sparse-25%-b32-maxmean", "sparse-25%-b32-maxmean-p4",
+                                       "window-25%"]
+    fixed = needle.variants_for(8192, [], [1024], scores=["maxmean"])
+    assert [v.name for v in fixed] == ["dense", "sparse-1024t-maxmean", "window-1024t"]
 
 
 def test_oracle_variant_is_the_mass_score_over_one_cell_pages() -> None:

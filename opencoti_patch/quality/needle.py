@@ -87,27 +87,31 @@ def variants_for(n_ctx: int, shares: Sequence[float], fixed_tokens: Sequence[int
                  scores: Sequence[str] = ("max",)) -> list[Variant]:
     """dense, sparse at each share of the context and at each smaller fixed budget, the window of the first
     share. ``blocks`` x ``scores``: the selection block sizes and block scores, each pair its own sparse
-    variants (the first named as before, the others with a ``-b<size>`` and/or ``-<score>`` suffix); the
-    window is that of the first."""
+    variants, named ``sparse-<budget>`` plus ``-b<size>`` for a block size after the first or other than
+    128, and ``-<score>`` for a score after the first or other than ``max`` (the defaults keep the plain
+    names); the window is that of the first."""
     out = [Variant("dense", AttnConfig("dense"))]
+    window_name = ""
     for bi, block in enumerate(blocks):
         probe = sparse_variant(n_ctx, n_ctx, "", block).cfg
         min_tokens = (probe.sink_blocks + probe.recent_blocks + 1) * block
         for si, score in enumerate(scores):
-            sfx = ("" if bi == 0 else f"-b{block}") + ("" if si == 0 else f"-{score}")
+            sfx = ("" if bi == 0 and block == BLOCK else f"-b{block}") + \
+                ("" if si == 0 and score == "max" else f"-{score}")
             first = len(out)
             # a share below sink + recent + 1 block has no top-k at this context: not run
             for share in shares:
                 if round(share * n_ctx) >= min_tokens:
                     name = f"sparse-{share * 100:g}%{sfx}"
                     out.append(sparse_variant(n_ctx, round(share * n_ctx), name, block, score))
+                    window_name = window_name or f"window-{share * 100:g}%"
             for tokens in fixed_tokens:  # a fixed budget below the shares' and not one of them
                 if tokens < n_ctx * min(shares, default=1.0) and \
                         all(v.attended(n_ctx) != tokens for v in out[first:]):
                     out.append(sparse_variant(n_ctx, tokens, f"sparse-{tokens}t{sfx}", block, score))
+                    window_name = window_name or f"window-{tokens}t"
     if window and len(out) > 1:
-        w = window_config(out[1].cfg, n_ctx)
-        out.append(Variant(f"window-{out[1].name.removeprefix('sparse-')}", w))
+        out.append(Variant(window_name, window_config(out[1].cfg, n_ctx)))
     return out
 
 
