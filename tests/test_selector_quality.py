@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -200,8 +201,6 @@ def test_recall_splits_share_one_reference_oracle() -> None:
 
 def test_report_template_renders_an_older_report_unchanged() -> None:
     """Reports without splits (docs/results/quality-selector.json) render as they were committed."""
-    import json
-
     from opencoti_patch.config import Settings
     from opencoti_patch.report import render
 
@@ -257,8 +256,6 @@ def _cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str]
 
 
 def test_selector_cli_passes_offload_and_per_doc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import json
-
     from click.testing import CliRunner
 
     from opencoti_patch.cli import cli
@@ -521,8 +518,6 @@ def test_passkey_counts_lost_and_gained_answers_paired_with_dense(tmp_path: Path
     assert (v["sparse-25%"]["correct"], v["sparse-25%"]["lost"], v["sparse-25%"]["gained"]) == (2, 2, 1)
     assert (v["window-25%"]["correct"], v["window-25%"]["lost"], v["window-25%"]["gained"]) == (0, 3, 0)
 
-    import json  # noqa: PLC0415
-
     from opencoti_patch.config import Settings  # noqa: PLC0415
     from opencoti_patch.report import render  # noqa: PLC0415
 
@@ -533,3 +528,69 @@ def test_passkey_counts_lost_and_gained_answers_paired_with_dense(tmp_path: Path
     md = render(Settings.resolve().templates_dirs, "quality-selector.md.j2", **context)
     assert "| lost | gained |" in md
     assert "| 8192 | 4 | sparse-25% | 2048 | 2 | 1 | 2 | 1 |" in md  # agrees with dense on the first only
+    # (1 - 2)/4 per prompt; variance 3/4 - 1/16 = 11/16, so 1.96*sqrt(11/64) = 0.8126 per prompt
+    assert "| 8192 | 4 | sparse-25% | 2048 | 2 | 1 | 2 | 1 | -25.0 ± 81.3 |" in md
+    assert "| 8192 | 4 | window-25% | 2048 | 0 | 1 | 3 | 0 | -75.0 ± 42.4 |" in md
+
+
+def test_paired_change_is_the_mean_paired_difference_with_its_normal_interval() -> None:
+    """10 lost, none gained, of 100: -0.1 per prompt, variance 0.1 - 0.01 = 0.09: 1.96 * 0.3/10 per prompt."""
+    change, half = needle.paired_change(10, 0, 100)
+    assert change == pytest.approx(-10.0) and half == pytest.approx(5.88)
+    change, half = needle.paired_change(5, 5, 100)          # as many gained as lost: 0, variance 0.1
+    assert change == pytest.approx(0.0) and half == pytest.approx(196 * (0.1 / 100) ** 0.5)
+    assert needle.paired_change(0, 0, 50) == (0.0, 0.0)     # dense against itself
+    with pytest.raises(OpencotiError, match="empty"):
+        needle.paired_change(0, 0, 0)
+
+
+def _passkey_result(lost: int, gained: int, samples: int) -> dict[str, object]:
+    variant = {"attended_tokens": 1024, "correct": 40, "agree_dense": 90, "lost": lost, "gained": gained,
+               "topk": 5, "ms_decode": 1.0, "wrong": []}
+    dense = variant | {"attended_tokens": 4096, "correct": 50, "agree_dense": samples, "lost": 0,
+                       "gained": 0}
+    return {"kind": "passkey", "command": "opencoti-patch selector passkey", "n_generate": 8, "seed": 1,
+            "shares": [0.25, 0.125], "fixed_tokens": [], "per_doc": 10, "needles": ["n"] * 3,
+            "questions": ["q"] * 2,
+            "header": "h", "chars_per_token": 4.0, "seconds": 1.0,
+            "contexts": {"8192": {"samples": samples, "prompt_tokens": [8000, 8090], "ms_prefill": 1.0,
+                                  "prefill_tokens": 4000, "seconds": 1.0,
+                                  "variants": {"dense": dense, "sparse-25%": variant,
+                                               "sparse-12.5%": variant | {"attended_tokens": 512},
+                                               "window-25%": variant | {"correct": 1}}}}}
+
+
+def test_selector_report_writes_the_markdown_again_with_the_change_column(tmp_path: Path) -> None:
+    """A result written before the change column existed gets it from `selector report`; the JSON stays."""
+    from click.testing import CliRunner  # noqa: PLC0415
+
+    from opencoti_patch.cli import cli  # noqa: PLC0415
+
+    result = tmp_path / "old.json"
+    data = {"machine": "m", "model": "gemma.gguf", "prose": "p", "block": 128, "sink": 128, "recent": 256,
+            "passkey": _passkey_result(10, 0, 100)}
+    result.write_text(json.dumps(data, sort_keys=True))  # as results are written: not in the run's order
+    before = result.read_bytes()
+    out = CliRunner().invoke(cli, ["selector", "report", str(result)])
+    assert out.exit_code == 0, out.output
+    md = (tmp_path / "old.md").read_text()
+    assert "| 8192 | 100 | sparse-25% | 1024 | 40 | 90 | 10 | 0 | -10.0 ± 5.9 |" in md
+    assert "| 8192 | 100 | dense | 4096 | 50 | 100 | 0 | 0 | +0.0 ± 0.0 |" in md
+    rows = [line.split(" | ")[2] for line in md.splitlines() if line.startswith("| 8192 |")]
+    assert rows == ["dense", "sparse-25%", "sparse-12.5%", "window-25%"]  # the run's order, not the JSON's
+    assert result.read_bytes() == before
+
+
+def test_selector_report_refuses_what_is_not_a_result(tmp_path: Path) -> None:
+    from click.testing import CliRunner  # noqa: PLC0415
+
+    from opencoti_patch.cli import cli  # noqa: PLC0415
+
+    broken, other = tmp_path / "broken.json", tmp_path / "other.json"
+    broken.write_text('{"passkey": ')
+    other.write_text('{"series": []}')
+    for path, why in ((broken, "not a readable JSON result"),
+                      (other, "no recall, needles, passkey or fidelity")):
+        out = CliRunner().invoke(cli, ["selector", "report", str(path)])
+        assert out.exit_code == 2 and why in out.output, out.output
+        assert not path.with_suffix(".md").exists()

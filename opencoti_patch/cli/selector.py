@@ -218,15 +218,45 @@ def _save(out_dir: Path, name: str, part: str, data: dict[str, Any], meta: dict[
     merged |= meta
     merged[part] = data
     write_report(path, json.dumps(merged, indent=1, sort_keys=True) + "\n")
-    context = {"recall": None, "passkey": None, "fidelity": None, "needles": None, **merged}
-    write_report(out_dir / f"{name}.md", render(Settings.resolve().templates_dirs, "quality-selector.md.j2",
-                                                **context))
+    _write_markdown(path.with_suffix(".md"), merged)
     info(f"wrote {path} and {path.with_suffix('.md')}")
+
+
+def _write_markdown(path: Path, data: dict[str, Any]) -> None:
+    """The report of one JSON result (every part it holds: recall, needles, passkey, fidelity)."""
+    context = {"recall": None, "passkey": None, "fidelity": None, "needles": None, **data}
+    write_report(path, render(Settings.resolve().templates_dirs, "quality-selector.md.j2", **context))
 
 
 @click.group("selector")
 def selector_group() -> None:
     """Judge the sparse-attention block selector on real prose (never on repeated filler)."""
+
+
+@selector_group.command("report")
+@click.argument("results", nargs=-1, required=True,
+                type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def report_command(results: tuple[Path, ...]) -> None:
+    """Write the Markdown report of each JSON RESULTS file again, next to it (NAME.json -> NAME.md), with the
+    current report template: e.g. a result measured on another machine, or one written before a column existed
+    (passkey results gain their change per 100 prompts against dense and its 95% interval). The JSON is not
+    changed."""
+    for path in results:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise click.BadParameter(f"{path}: not a readable JSON result ({e})",
+                                     param_hint="RESULTS") from None
+        parts = ("recall", "needles", "passkey", "fidelity")
+        if not isinstance(data, dict) or not any(k in data for k in parts):
+            raise click.BadParameter(f"{path}: no recall, needles, passkey or fidelity result in it",
+                                     param_hint="RESULTS")
+        if data.get("passkey"):
+            needle.reorder_variants(data["passkey"], data.get("blocks") or [needle.BLOCK],
+                                    data.get("scores") or ["max"])
+            needle.annotate_paired(data["passkey"])
+        _write_markdown(path.with_suffix(".md"), data)
+        info(f"wrote {path.with_suffix('.md')}")
 
 
 @selector_group.command("prose-pack")
