@@ -557,6 +557,7 @@ def _passkey_result(lost: int, gained: int, samples: int) -> dict[str, object]:
                                   "prefill_tokens": 4000, "seconds": 1.0,
                                   "variants": {"dense": dense, "sparse-25%": variant,
                                                "sparse-12.5%": variant | {"attended_tokens": 512},
+                                               "sparse-25%-max-p4": variant | {"wrong": [{"sid": "a"}]},
                                                "window-25%": variant | {"correct": 1}}}}}
 
 
@@ -576,8 +577,10 @@ def test_selector_report_writes_the_markdown_again_with_the_change_column(tmp_pa
     md = (tmp_path / "old.md").read_text()
     assert "| 8192 | 100 | sparse-25% | 1024 | 40 | 90 | 10 | 0 | -10.0 ± 5.9 |" in md
     assert "| 8192 | 100 | dense | 4096 | 50 | 100 | 0 | 0 | +0.0 ± 0.0 |" in md
-    rows = [line.split(" | ")[2] for line in md.splitlines() if line.startswith("| 8192 |")]
-    assert rows == ["dense", "sparse-25%", "sparse-12.5%", "window-25%"]  # the run's order, not the JSON's
+    rows = [line.split(" | ")[2] for line in md.splitlines() if line.startswith("| 8192 | 100 |")]
+    # the run's order, not the JSON's (a variant the run's parameters do not make comes last)
+    assert rows == ["dense", "sparse-25%", "sparse-12.5%", "window-25%", "sparse-25%-max-p4"]
+    assert "| 8192 | sparse-25%-max-p4 | sparse-25% | 0 | 1 | -1.0 ± 2.0 |" in md  # 1.96*sqrt(0.01 - 1e-4)/10
     assert result.read_bytes() == before
 
 
@@ -594,3 +597,24 @@ def test_selector_report_refuses_what_is_not_a_result(tmp_path: Path) -> None:
         out = CliRunner().invoke(cli, ["selector", "report", str(path)])
         assert out.exit_code == 2 and why in out.output, out.output
         assert not path.with_suffix(".md").exists()
+
+
+def test_variants_of_another_score_are_compared_with_the_default_on_the_same_prompts() -> None:
+    """`sparse-25%-maxmean` against `sparse-25%` from the prompts each answers wrong: right on 4 where the
+    default is wrong (1, 3, 4, 5), wrong on 2 where it is right (6, 7), of 10: +20 per 100."""
+    def wrong(*sids: int) -> list[dict[str, object]]:
+        return [{"sid": f"s{i}", "key": "1", "answer": "2", "depth": 0.5, "dense": "1"} for i in sids]
+
+    base = {"attended_tokens": 2048, "correct": 5, "agree_dense": 9, "lost": 1, "gained": 0,
+            "wrong": wrong(1, 2, 3, 4, 5)}
+    other = base | {"correct": 7, "lost": 0, "gained": 2, "wrong": wrong(2, 6, 7)}
+    dense = base | {"lost": 0, "gained": 0, "wrong": wrong(1, 2, 3, 4, 6)}
+    passkey = {"contexts": {"8192": {"samples": 10, "variants": {"dense": dense, "sparse-25%": base,
+                                                                  "sparse-25%-maxmean": other}}}}
+    needle.annotate_paired(passkey)
+    v = passkey["contexts"]["8192"]["variants"]
+    assert "vs_default" not in v["sparse-25%"] and "vs_default" not in v["dense"]
+    vs = v["sparse-25%-maxmean"]["vs_default"]
+    assert (vs["name"], vs["better"], vs["worse"]) == ("sparse-25%", 4, 2)
+    # (4 - 2)/10 per prompt; variance 6/10 - 0.04 = 0.56: 1.96*sqrt(0.056) = 0.4638
+    assert (vs["change_per_100"], vs["change_ci95"]) == (20.0, pytest.approx(46.38, abs=0.01))

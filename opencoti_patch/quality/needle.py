@@ -332,12 +332,25 @@ def paired_change(lost: int, gained: int, n: int) -> tuple[float, float]:
 
 def annotate_paired(passkey: dict[str, Any]) -> None:
     """Add ``change_per_100`` and ``change_ci95`` (:func:`paired_change`) to every variant of a passkey
-    result that counts lost and gained answers (results written before those counts are left as they are)."""
+    result that counts lost and gained answers (results written before those counts are left as they are),
+    and to every sparse variant with another score or block size than the default's (``sparse-25%-maxmean``)
+    ``vs_default``: the same against the default's variant of that budget (``sparse-25%``) on the same
+    prompts, from the prompts each answers wrong."""
     for c in passkey.get("contexts", {}).values():
-        for v in c["variants"].values():
-            if "lost" in v:
-                v["change_per_100"], v["change_ci95"] = (round(x, 2) for x in
-                                                         paired_change(v["lost"], v["gained"], c["samples"]))
+        n, variants = c["samples"], c["variants"]
+        for name, v in variants.items():
+            if "lost" not in v:
+                continue
+            change, ci95 = paired_change(v["lost"], v["gained"], n)
+            v["change_per_100"], v["change_ci95"] = round(change, 4), round(ci95, 4)
+            base = "-".join(name.split("-")[:2])  # sparse-<budget>[-b<size>][-<score>]: the default's name
+            if name.startswith("sparse-") and base != name and "wrong" in v and \
+                    "wrong" in variants.get(base, {}):
+                wrong, wrong_base = ({w["sid"] for w in x["wrong"]} for x in (v, variants[base]))
+                better, worse = len(wrong_base - wrong), len(wrong - wrong_base)
+                change, ci95 = paired_change(worse, better, n)
+                v["vs_default"] = {"name": base, "better": better, "worse": worse,
+                                   "change_per_100": round(change, 4), "change_ci95": round(ci95, 4)}
 
 
 def reorder_variants(passkey: dict[str, Any], blocks: Sequence[int], scores: Sequence[str]) -> None:
