@@ -589,11 +589,13 @@ def test_selector_report_refuses_what_is_not_a_result(tmp_path: Path) -> None:
 
     from opencoti_patch.cli import cli  # noqa: PLC0415
 
-    broken, other = tmp_path / "broken.json", tmp_path / "other.json"
+    broken, other, partial = tmp_path / "broken.json", tmp_path / "other.json", tmp_path / "partial.json"
     broken.write_text('{"passkey": ')
     other.write_text('{"series": []}')
+    partial.write_text('{"passkey": {"contexts": {"4096": {"samples": 3}}}}')
     for path, why in ((broken, "not a readable JSON result"),
-                      (other, "no recall, needles, passkey or fidelity")):
+                      (other, "no recall, needles, passkey or fidelity"),
+                      (partial, "not a result this version can report (KeyError: 'variants')")):
         out = CliRunner().invoke(cli, ["selector", "report", str(path)])
         assert out.exit_code == 2 and why in out.output, out.output
         assert not path.with_suffix(".md").exists()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import jinja2
 import numpy as np
 
 from ..build.harness import BATCH_EXE, build_harness
@@ -251,11 +252,16 @@ def report_command(results: tuple[Path, ...]) -> None:
         if not isinstance(data, dict) or not any(k in data for k in parts):
             raise click.BadParameter(f"{path}: no recall, needles, passkey or fidelity result in it",
                                      param_hint="RESULTS")
-        if data.get("passkey"):
-            needle.reorder_variants(data["passkey"], data.get("blocks") or [needle.BLOCK],
-                                    data.get("scores") or ["max"])
-            needle.annotate_paired(data["passkey"])
-        _write_markdown(path.with_suffix(".md"), data)
+        try:
+            if data.get("passkey"):
+                needle.reorder_variants(data["passkey"], data.get("blocks") or [needle.BLOCK],
+                                        data.get("scores") or ["max"])
+                needle.annotate_paired(data["passkey"])
+            _write_markdown(path.with_suffix(".md"), data)
+        except (KeyError, TypeError, ValueError, AttributeError, jinja2.UndefinedError) as e:
+            why = f"{type(e).__name__}: {e}"
+            raise click.BadParameter(f"{path}: not a result this version can report ({why})",
+                                     param_hint="RESULTS") from None
         info(f"wrote {path.with_suffix('.md')}")
 
 
