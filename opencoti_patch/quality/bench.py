@@ -70,6 +70,15 @@ class BenchRow:
     run: str = ""
     # llama-bench's sparse_attn_dense_last (-sadt), None where the record has no such field
     dense_last: int | None = None
+    # llama-bench's block score (-sasc) and key-sum page size (-sap); records without them ran the defaults
+    score: str = "max"
+    page: int = 16
+
+    @property
+    def selector(self) -> str:
+        """How the blocks were ranked where not the default (``maxmean, 4-cell pages``), else ``""``."""
+        score = [] if self.score == "max" else [self.score]
+        return ", ".join(score + ([] if self.page == 16 else [f"{self.page}-cell pages"]))
 
     @property
     def budget(self) -> int:
@@ -80,10 +89,12 @@ class BenchRow:
         """The folder of the run's log: runs of one folder are one lease, and only they share a dense row."""
         return PurePosixPath(self.run).parent.as_posix()
 
-    def order(self) -> tuple[str, str, str, int, int, int, int, int, float]:
-        """The stable output order: run, model, KV, depth, budget, dense_last (then top-k, block, t/s)."""
+    def order(self) -> tuple[str, str, str, int, int, int, int, int, str, float]:
+        """The stable output order: run, model, KV, depth, budget, dense_last (then top-k, block, selector,
+        t/s)."""
         dl = -1 if self.dense_last is None else self.dense_last
-        return (self.run, self.model, self.kv, self.depth, self.budget, dl, self.topk, self.block, self.tps)
+        return (self.run, self.model, self.kv, self.depth, self.budget, dl, self.topk, self.block,
+                self.selector, self.tps)
 
 
 def _get(rec: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -110,6 +121,8 @@ def parse_llama_bench(records: Iterable[dict[str, Any]], model: str, run: str = 
             tps_sd=float(_get(r, "stddev_ts", default=0.0)),
             run=run,
             dense_last=None if dense_last is None else int(dense_last),
+            score=str(_get(r, "sparse_attn_score", default="max")),
+            page=int(_get(r, "sparse_attn_page_size", default=16)),
         ))
     return rows
 
@@ -181,7 +194,7 @@ def ratios(rows: list[BenchRow]) -> list[dict[str, Any]]:
         d, note = _dense_for(r, dense)
         out.append({
             "run": r.run, "model": r.model, "kv": r.kv, "depth": r.depth, "dense_last": r.dense_last,
-            "budget": r.budget, "topk": r.topk, "block": r.block,
+            "budget": r.budget, "topk": r.topk, "block": r.block, "selector": r.selector,
             "dense_tps": d.tps if d else None, "sparse_tps": r.tps,
             "ratio": (r.tps / d.tps) if d and d.tps > 0 else None,
             "dense_run": d.run if d else None, "dense_note": note,
@@ -208,7 +221,8 @@ def markdown_table(rows: list[BenchRow]) -> str:
             n = len(marks)
             dense += marks.setdefault(c["dense_note"], _MARKS[n] if n < len(_MARKS) else f"†{n + 1}")
         ratio = f"**{c['ratio']:.2f}×**" if c["ratio"] else "–"
-        budget = f"{c['budget']} ({c['topk']} x {c['block']})"
+        sel = f", {c['selector']}" if c["selector"] else ""
+        budget = f"{c['budget']} ({c['topk']} x {c['block']}{sel})"
         dl = f" {_fmt_dl(c['dense_last'])} |" if with_dl else ""
         lines.append(f"| {c['run'] or '–'} | {c['model']} | {c['kv']} | {c['depth']} | {dense} | "
                      f"{budget} |{dl} {c['sparse_tps']:.1f} | {ratio} |")
@@ -236,7 +250,8 @@ def plot(rows: list[BenchRow], out: Path) -> Path | None:
         several_dl = len({r.dense_last for r in mine}) > 1
         series: dict[str, list[tuple[int, float]]] = {}
         for r in mine:
-            label = f"sparse, {r.budget} ({r.topk} x {r.block})" if r.sparse else "dense"
+            sel = f", {r.selector}" if r.selector else ""
+            label = f"sparse, {r.budget} ({r.topk} x {r.block}{sel})" if r.sparse else "dense"
             if several_dl:
                 label += f", dense-last {_fmt_dl(r.dense_last)}"
             if several_runs:
