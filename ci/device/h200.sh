@@ -31,7 +31,8 @@
 # 4096-token prompt's state to the depth; `bench report` reads the JSONs as model "8b-synth")
 # (PROFILE_DEPTHS=" " leaves the decode timelines out)
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072; BENCH_ARGS: more llama-bench
-# arguments for it, e.g. "-sadt 0,1": the layer rule off and on, and dense twice, which shows the run-to-run spread)
+# arguments for it, e.g. "-sadt 0,1": the layer rule off and on, and dense twice, which shows the run-to-run spread;
+# "-sap 16,4 -sasc max,maxmean": the key-sum page size and block score side by side, one dense row)
 # (SERVING_SHAPE: the serving stage's model, default 1b, used when OPENCOTI_SHAPES wrote it)
 # selbench (issue 12: ci/device/select-bench.cu, the fused select and its variants timed per phase, at SELBENCH_DEPTHS
 # cells, default "32768 131072 524288")
