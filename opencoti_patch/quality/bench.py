@@ -97,6 +97,11 @@ class BenchRow:
                 self.selector, self.tps)
 
 
+def _budget_label(budget: int, topk: int, block: int, selector: str) -> str:
+    """``4096 (32 x 128)``, or with a selector other than the default ``4096 (32 x 128, maxmean)``."""
+    return f"{budget} ({topk} x {block}{', ' + selector if selector else ''})"
+
+
 def _get(rec: dict[str, Any], *names: str, default: Any = None) -> Any:
     for n in names:
         if n in rec:
@@ -221,8 +226,7 @@ def markdown_table(rows: list[BenchRow]) -> str:
             n = len(marks)
             dense += marks.setdefault(c["dense_note"], _MARKS[n] if n < len(_MARKS) else f"†{n + 1}")
         ratio = f"**{c['ratio']:.2f}×**" if c["ratio"] else "–"
-        sel = f", {c['selector']}" if c["selector"] else ""
-        budget = f"{c['budget']} ({c['topk']} x {c['block']}{sel})"
+        budget = _budget_label(c["budget"], c["topk"], c["block"], c["selector"])
         dl = f" {_fmt_dl(c['dense_last'])} |" if with_dl else ""
         lines.append(f"| {c['run'] or '–'} | {c['model']} | {c['kv']} | {c['depth']} | {dense} | "
                      f"{budget} |{dl} {c['sparse_tps']:.1f} | {ratio} |")
@@ -250,8 +254,7 @@ def plot(rows: list[BenchRow], out: Path) -> Path | None:
         several_dl = len({r.dense_last for r in mine}) > 1
         series: dict[str, list[tuple[int, float]]] = {}
         for r in mine:
-            sel = f", {r.selector}" if r.selector else ""
-            label = f"sparse, {r.budget} ({r.topk} x {r.block}{sel})" if r.sparse else "dense"
+            label = f"sparse, {_budget_label(r.budget, r.topk, r.block, r.selector)}" if r.sparse else "dense"
             if several_dl:
                 label += f", dense-last {_fmt_dl(r.dense_last)}"
             if several_runs:

@@ -336,21 +336,22 @@ def annotate_paired(passkey: dict[str, Any]) -> None:
     and to every sparse variant with another score or block size than the default's (``sparse-25%-maxmean``)
     ``vs_default``: the same against the default's variant of that budget (``sparse-25%``) on the same
     prompts, from the prompts each answers wrong."""
+    def fields(lost: int, gained: int, n: int) -> dict[str, float]:
+        change, ci95 = paired_change(lost, gained, n)
+        return {"change_per_100": round(change, 4), "change_ci95": round(ci95, 4)}
+
     for c in passkey.get("contexts", {}).values():
         n, variants = c["samples"], c["variants"]
         for name, v in variants.items():
             if "lost" not in v:
                 continue
-            change, ci95 = paired_change(v["lost"], v["gained"], n)
-            v["change_per_100"], v["change_ci95"] = round(change, 4), round(ci95, 4)
+            v |= fields(v["lost"], v["gained"], n)
             base = "-".join(name.split("-")[:2])  # sparse-<budget>[-b<size>][-<score>]: the default's name
             if name.startswith("sparse-") and base != name and "wrong" in v and \
                     "wrong" in variants.get(base, {}):
                 wrong, wrong_base = ({w["sid"] for w in x["wrong"]} for x in (v, variants[base]))
                 better, worse = len(wrong_base - wrong), len(wrong - wrong_base)
-                change, ci95 = paired_change(worse, better, n)
-                v["vs_default"] = {"name": base, "better": better, "worse": worse,
-                                   "change_per_100": round(change, 4), "change_ci95": round(ci95, 4)}
+                v["vs_default"] = {"name": base, "better": better, "worse": worse, **fields(worse, better, n)}
 
 
 def reorder_variants(passkey: dict[str, Any], blocks: Sequence[int], scores: Sequence[str]) -> None:
