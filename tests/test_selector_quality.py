@@ -345,8 +345,10 @@ def test_recall_block_must_divide_the_sink(tmp_path: Path) -> None:
 
 def test_qk_dump_is_reused_only_for_the_same_text_and_arguments(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """A dump folder is named by context, sample and seed only: one left by a run with another sample count
-    (other prompts under the same names) or other layers must be made anew, not read for this prompt."""
+    """Sample names repeat across runs (context, sample, seed) while their texts may not (another sample
+    count, other contexts drawn before): a dump is read only for the same text, model and arguments, and a
+    run with other texts leaves the earlier run's dumps in place, so running the first again dumps
+    nothing."""
     import sys  # noqa: PLC0415
 
     from opencoti_patch.cli import selector  # noqa: PLC0415
@@ -356,20 +358,27 @@ def test_qk_dump_is_reused_only_for_the_same_text_and_arguments(tmp_path: Path,
     fake.write_text(f"#!{sys.executable}\n"
                     "import sys, pathlib, numpy as np\n"
                     "a = sys.argv; out = pathlib.Path(a[a.index('-o') + 1])\n"
+                    "assert not (out / 'tokens.npy').exists()\n"
                     "np.save(out / 'tokens.npy', np.arange(3))\n"
                     f"open({str(calls)!r}, 'a').write('x')\n")
     fake.chmod(0o755)
     env = object.__new__(selector._Env)
     env.model = tmp_path / "m.gguf"
     monkeypatch.setattr(env, "exe", lambda target: fake, raising=False)
-    d = tmp_path / "needle-c4096-000-1234"
-    assert env.qk_dump(d, "prompt one", ["--layers", "5"], "dump") == d
-    env.qk_dump(d, "prompt one", ["--layers", "5"], "dump")  # the same: reused
+    base = tmp_path / "needle-c4096-000-1234"
+    one = env.qk_dump(base, "prompt one", ["--layers", "5"], "dump")
+    assert one.name.startswith(base.name + "-") and (one / "text.txt").read_text() == "prompt one"
+    assert env.qk_dump(base, "prompt one", ["--layers", "5"], "dump") == one  # the same: reused
     assert calls.read_text() == "x"
-    env.qk_dump(d, "prompt two", ["--layers", "5"], "dump")  # same name, another prompt
-    env.qk_dump(d, "prompt two", ["--layers", "5,11"], "dump")  # other layers
+    two = env.qk_dump(base, "prompt two", ["--layers", "5"], "dump")  # same name, another prompt
+    other_layers = env.qk_dump(base, "prompt two", ["--layers", "5,11"], "dump")
+    assert calls.read_text() == "xxx" and len({one, two, other_layers}) == 3
+    assert (two / "text.txt").read_text() == "prompt two"
+    assert env.qk_dump(base, "prompt one", ["--layers", "5"], "dump") == one  # still there
     assert calls.read_text() == "xxx"
-    assert (d / "text.txt").read_text() == "prompt two"
+    (two / "key.json").unlink()  # a dump interrupted before its key was written: made anew
+    assert env.qk_dump(base, "prompt two", ["--layers", "5"], "dump") == two
+    assert calls.read_text() == "xxxx"
 
 
 def test_sum_scorer_f16_sums_round_after_every_addition() -> None:

@@ -142,17 +142,20 @@ class _Env:
     def exe(self, target: str) -> Path:
         return build_harness(self.llama_src, self.bin, self.work / "harness", targets=(target,)) / target
 
-    def qk_dump(self, dump: Path, text: str, args: list[str], what: str) -> Path:
-        """The Q/K dump of one dense prefill of ``text`` in ``dump`` (opencoti-qk-dump ``args``, e.g. the
-        layers), reused when an earlier run left one of the same text, model and arguments (its key in
-        ``dump/key.json``), else made anew: a dump folder named like another's (another sample count, other
-        prose) is never read for this one."""
+    def qk_dump(self, base: Path, text: str, args: list[str], what: str) -> Path:
+        """The Q/K dump of one dense prefill of ``text`` (opencoti-qk-dump ``args``, e.g. the layers): the
+        folder ``<base>-<hash>``, named by a hash of the text, model and arguments (kept in its
+        ``key.json``), reused when an earlier run left it complete, else made anew. A run that draws other
+        texts under the same sample names (another sample count, other prose, other contexts before it)
+        gets folders of its own and leaves the earlier run's dumps in place for when it is run again."""
         key = {"text_sha256": hashlib.sha256(text.encode()).hexdigest(), "model": self.model.name,
                "args": args}
+        key_text = json.dumps(key, sort_keys=True)
+        dump = base.with_name(f"{base.name}-{hashlib.sha256(key_text.encode()).hexdigest()[:12]}")
         key_file = dump / "key.json"
         if (dump / "tokens.npy").is_file() and key_file.is_file() and json.loads(key_file.read_text()) == key:
             return dump
-        shutil.rmtree(dump, ignore_errors=True)
+        shutil.rmtree(dump, ignore_errors=True)  # an interrupted dump (no key.json yet)
         dump.mkdir(parents=True)
         (dump / "text.txt").write_text(text)
         info(what)
