@@ -36,6 +36,9 @@
 # (SERVING_SHAPE: the serving stage's model, default 1b, used when OPENCOTI_SHAPES wrote it)
 # selbench (issue 12: ci/device/select-bench.cu, the fused select and its variants timed per phase, at SELBENCH_DEPTHS
 # cells, default "32768 131072 524288")
+# CANDIDATES: patch files (paths in the working tree, space-separated) applied with `git apply` over the carried tree
+# by start and resume: a change to try on the GPU before it joins the series, e.g.
+# CANDIDATES=ci/device/candidates/maxmean-fused.patch (resume with the same list keeps it applied)
 set -u
 ROOT=$(pwd)
 W=${OPENCOTI_DEVICE_WORK:-/tmp/ocw}
@@ -61,8 +64,18 @@ prepare_src() {
             case "$p" in ''|'#'*) continue;; esac
             # the applier of the stack: git apply (exact, no fuzz); no repository above $SRC is used
             GIT_CEILING_DIRECTORIES=$W git apply --whitespace=nowarn "$ROOT/patches/$p" || exit 1
-        done < "$ROOT/patches/series")
+        done < "$ROOT/patches/series") || return 1
     fi
+    apply_candidates "$SRC"
+}
+
+apply_candidates() { # $1: an extracted tree; the CANDIDATES patches over it, in order, exact (no fuzz)
+    local c
+    for c in ${CANDIDATES:-}; do
+        echo "candidate: $c"
+        (cd "$1" && GIT_CEILING_DIRECTORIES=$(dirname "$1") git apply --whitespace=nowarn "$ROOT/$c") || {
+            echo "candidate $c does not apply" >&2; return 1; }
+    done
 }
 
 update_src() { # the carried tree over the one built here, rewriting only files whose content changed (ninja
@@ -70,6 +83,7 @@ update_src() { # the carried tree over the one built here, rewriting only files 
     local new=$W/llama.cpp.new
     rm -rf "$new"; mkdir -p "$new"
     tar xzf "$ROOT/.carry/llama-src.tar.gz" -C "$new" || return 1
+    apply_candidates "$new/llama.cpp" || return 1
     python3 - "$new/llama.cpp" "$SRC" <<'PY'
 import filecmp, os, shutil, sys
 new, old = sys.argv[1], sys.argv[2]
