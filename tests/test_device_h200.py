@@ -57,17 +57,18 @@ def test_a_finished_run_does_not_block_the_next(tmp_path: Path) -> None:
 
 
 def _carry_tree(root: Path) -> None:
-    """A carried tree of one file, .carry/llama-src.tar.gz as `bench pack` writes it (top folder llama.cpp/)."""
+    """A carried tree of one file, as `bench pack` writes .carry/llama-src.tar.gz (top folder llama.cpp/)."""
     tree = root / "pack" / "llama.cpp"
     tree.mkdir(parents=True)
     (tree / "op.c").write_text("int op(void) {\n    return 1;\n}\n")
     (root / ".carry").mkdir()
-    subprocess.run(["tar", "czf", str(root / ".carry" / "llama-src.tar.gz"), "-C", str(root / "pack"), "llama.cpp"],
-                   check=True)
+    tarball = root / ".carry" / "llama-src.tar.gz"
+    subprocess.run(["tar", "czf", str(tarball), "-C", str(root / "pack"), "llama.cpp"], check=True)
 
 
 def _start_and_wait(work: Path, candidates: str) -> str:
-    env = {**os.environ, "OPENCOTI_DEVICE_CUDA": "0", "OPENCOTI_DEVICE_WORK": str(work), "CANDIDATES": candidates}
+    env = {**os.environ, "OPENCOTI_DEVICE_CUDA": "0", "OPENCOTI_DEVICE_WORK": str(work),
+           "CANDIDATES": candidates}
     res = subprocess.run(["bash", str(SCRIPT), "start", "tests"], capture_output=True, text=True, env=env,
                          cwd=work.parent, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -77,12 +78,13 @@ def _start_and_wait(work: Path, candidates: str) -> str:
 
 @pytest.mark.parametrize("applies", [True, False])
 def test_candidate_patches_are_applied_over_the_carried_tree(tmp_path: Path, applies: bool) -> None:
-    """CANDIDATES: a change tried on the GPU before it joins the series goes over the carried tree exactly; one
-    that does not apply stops the run at prepare (nothing is built from a half-patched tree)."""
+    """CANDIDATES: a change tried on the GPU before it joins the series goes over the carried tree exactly;
+    one that does not apply stops the run at prepare (nothing is built from a half-patched tree)."""
     _carry_tree(tmp_path)
     old = "return 1;" if applies else "return 7;"
     (tmp_path / "cand.patch").write_text(
-        "--- a/op.c\n+++ b/op.c\n@@ -1,3 +1,3 @@\n int op(void) {\n-    " + old + "\n+    return 2;\n }\n")
+        "--- a/op.c\n+++ b/op.c\n@@ -1,3 +1,3 @@\n int op(void) {\n-    " + old
+        + "\n+    return 2;\n }\n")
     status = _start_and_wait(tmp_path / "ocw", "cand.patch")
     pid = int((tmp_path / "ocw.pid").read_text())
     subprocess.run(["kill", "--", f"-{pid}"], capture_output=True)
