@@ -12,8 +12,8 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "ci" / "device" / "h200.sh"
 
 
-def _h200(work: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OPENCOTI_DEVICE_CUDA": "0", "OPENCOTI_DEVICE_WORK": str(work)}
+def _h200(work: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OPENCOTI_DEVICE_CUDA": "0", "OPENCOTI_DEVICE_WORK": str(work), **extra_env}
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env,
                           cwd=work.parent, timeout=60)
 
@@ -67,10 +67,7 @@ def _carry_tree(root: Path) -> None:
 
 
 def _start_and_wait(work: Path, candidates: str) -> str:
-    env = {**os.environ, "OPENCOTI_DEVICE_CUDA": "0", "OPENCOTI_DEVICE_WORK": str(work),
-           "CANDIDATES": candidates}
-    res = subprocess.run(["bash", str(SCRIPT), "start", "tests"], capture_output=True, text=True, env=env,
-                         cwd=work.parent, timeout=60)
+    res = _h200(work, "start", "tests", CANDIDATES=candidates)
     assert res.returncode == 0, res.stderr
     _h200(work, "wait", "30")
     return (work / "log" / "status").read_text()
