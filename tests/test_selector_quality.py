@@ -407,9 +407,9 @@ def test_variants_per_block_score() -> None:
     score."""
     vs = needle.variants_for(8192, [0.25], [], scores=["max", "mass"])
     assert [v.name for v in vs] == ["dense", "sparse-25%", "sparse-25%-mass", "window-25%"]
-    assert "score" not in vs[1].json() and vs[2].json()["score"] == "mass"
+    assert vs[1].json()["score"] == "max" and vs[2].json()["score"] == "mass"
     assert vs[1].json()["topk"] == vs[2].json()["topk"]
-    assert "--sparse-attn-score" not in vs[1].cfg.args()
+    assert vs[1].cfg.args()[-2:] == ["--sparse-attn-score", "max"]  # explicit: not the tree's default
     assert vs[2].cfg.args()[-2:] == ["--sparse-attn-score", "mass"]
     assert vs[3].cfg.score == "max"  # the window ranks nothing
     both = needle.variants_for(8192, [0.25], [], blocks=[128, 32], scores=["max", "mass"])
@@ -435,8 +435,8 @@ def test_oracle_variant_is_the_mass_score_over_one_cell_pages() -> None:
     mass = needle.variants_for(8192, [0.25], [], scores=["mass"])[1]
     assert "--sparse-attn-page-size" not in mass.cfg.args()
     p4 = needle.variants_for(8192, [0.25], [], scores=["max", "max-p4"])[2]
-    assert p4.name == "sparse-25%-max-p4" and p4.json()["page_size"] == 4 and "score" not in p4.json()
-    assert p4.cfg.args()[-2:] == ["--sparse-attn-page-size", "4"]
+    assert p4.name == "sparse-25%-max-p4" and p4.json()["page_size"] == 4 and p4.json()["score"] == "max"
+    assert p4.cfg.args()[-4:] == ["--sparse-attn-score", "max", "--sparse-attn-page-size", "4"]
     for bad in ("max-p0", "max-px", "sum-p4", "oracle-p2"):
         with pytest.raises(OpencotiError):
             parse_score(bad)

@@ -106,9 +106,10 @@ class AttnConfig:
     score: str = "max"  # the block score (parse_score): max | mass | maxmean | <score>-p<N> | oracle
 
     def score_settings(self) -> dict[str, Any]:
-        """The harness variant keys of the score ({} for the default)."""
+        """The harness variant keys of the score: always the score (a tree's default score may change: a run
+        says which one it measured), the page size where not the tree's default."""
         score, page = parse_score(self.score)
-        return ({} if score == "max" else {"score": score}) | ({} if page is None else {"page_size": page})
+        return {"score": score} | ({} if page is None else {"page_size": page})
 
     def args(self) -> list[str]:
         if not self.sparse:
