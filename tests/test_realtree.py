@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,6 +90,27 @@ def test_real_markers_audit_fails_on_a_removed_marker(prepared: Project, tmp_pat
     broken = audit(patches, tmp_path)
     assert any(i.path == clean.regions[0].path for i in broken.issues), broken.issues
     assert len(broken.regions) == len(clean.regions) - 1
+
+
+def test_real_device_candidates_apply_over_the_series(prepared: Project, tmp_path: Path) -> None:
+    """ci/device/candidates/*.patch (changes tried on the GPU before they join the series, `CANDIDATES=` of
+    ci/device/h200.sh) apply exactly, in name order, over the applied series: a candidate gone stale with the
+    series would otherwise stop the device run at prepare, after the machine has started."""
+    candidates = sorted((REPO / "ci" / "device" / "candidates").glob("*.patch"))
+    if not candidates:
+        pytest.skip("no candidate patches")
+    for cand in candidates:
+        for line in cand.read_text().splitlines():
+            if line.startswith("+++ b/"):
+                rel = line[len("+++ b/"):]
+                if not (tmp_path / rel).exists() and (prepared.tree / rel).is_file():
+                    (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(prepared.tree / rel, tmp_path / rel)
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)}
+    for cand in candidates:
+        res = subprocess.run(["git", "apply", "--whitespace=nowarn", str(cand)], cwd=tmp_path, env=env,
+                             capture_output=True, text=True)
+        assert res.returncode == 0, f"{cand.name} does not apply over the series: {res.stderr}"
 
 
 def test_real_unapply_restores_pristine(prepared: Project) -> None:
