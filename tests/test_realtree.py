@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from stackutil import Project
 
 from opencoti_patch.markers.audit import audit
-from opencoti_patch.stack.series import load_series
+from opencoti_patch.stack.series import Patch, load_series, parse_patch
 
 pytestmark = pytest.mark.realtree
 
@@ -39,6 +39,15 @@ def _project(root: Path, mp: pytest.MonkeyPatch, with_series: bool) -> Project:
         mp.delenv(var, raising=False)
     mp.setenv("OPENCOTI_ROOT", str(root))
     return Project(root, CliRunner(), Path(), "", Path(), "")
+
+
+def _copy_touched(tree: Path, patches: list[Patch], dest: Path) -> None:
+    """Copy the files of ``tree`` that ``patches`` touch to ``dest`` (same relative paths), to work on them
+    without changing the shared tree."""
+    for rel in sorted(set().union(*(p.paths for p in patches))):
+        if (tree / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(tree / rel, dest / rel)
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +85,7 @@ def test_real_markers_audit_fails_on_a_removed_marker(prepared: Project, tmp_pat
     """The exact (tree) audit of the real series: clean on the applied tree, and it reports a region whose
     begin marker is gone (a copy of the touched files; the shared tree stays as it is)."""
     patches = load_series(prepared.patches)
-    touched = sorted(set().union(*(p.paths for p in patches)))
-    for rel in touched:
-        if (prepared.tree / rel).is_file():
-            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(prepared.tree / rel, tmp_path / rel)
+    _copy_touched(prepared.tree, patches, tmp_path)
     clean = audit(patches, tmp_path)
     assert clean.issues == [] and len(clean.regions) >= 10
     victim = tmp_path / clean.regions[0].path
@@ -99,13 +104,7 @@ def test_real_device_candidates_apply_over_the_series(prepared: Project, tmp_pat
     candidates = sorted((REPO / "ci" / "device" / "candidates").glob("*.patch"))
     if not candidates:
         pytest.skip("no candidate patches")
-    for cand in candidates:
-        for line in cand.read_text().splitlines():
-            if line.startswith("+++ b/"):
-                rel = line[len("+++ b/"):]
-                if not (tmp_path / rel).exists() and (prepared.tree / rel).is_file():
-                    (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(prepared.tree / rel, tmp_path / rel)
+    _copy_touched(prepared.tree, [parse_patch(c) for c in candidates], tmp_path)
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)}
     for cand in candidates:
         res = subprocess.run(["git", "apply", "--whitespace=nowarn", str(cand)], cwd=tmp_path, env=env,
