@@ -16,6 +16,7 @@ import difflib
 import json
 import os
 import re
+import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -249,6 +250,40 @@ def test_sparse_attn_cpu_selfchecks(selfcheck: b.BuildResult) -> None:
     assert len(blocks) == KV_BLOCK_CASES and all(r == "OK" for _, r in blocks), blocks
     windows = re.findall(r"^(window top-k 0)\s+(OK|FAILED)$", log, re.M)
     assert len(windows) == KV_WINDOW_CASES and all(r == "OK" for _, r in windows), windows
+
+
+NATIVE = ROOT / "tests" / "native"
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    line = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+    return set(flags) <= set(line.split())
+
+
+@needs_source
+def test_cpu_select_vectorised_sums_equal_the_scalar_bits(selfcheck: b.BuildResult, tmp_path: Path) -> None:
+    """The CPU select's AVX2 page sums against its scalar canonical order (the one CUDA shares), bit for
+    bit: tests/native/sparse_attn_page_scores.cpp includes the patched ggml-cpu/sparse-attn.cpp whole, built
+    for this CPU; on a CPU with AVX2, FMA and F16C the vectorised path must be the one compared."""
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        unavailable("no C++ compiler")
+    src, exe = selfcheck.src, tmp_path / "page-scores"
+    includes = [f"-I{src / d}" for d in ("ggml/include", "ggml/src", "ggml/src/ggml-cpu")]
+    build = subprocess.run([cxx, "-std=c++17", "-O2", "-march=native", *includes,
+                            str(NATIVE / "sparse_attn_page_scores.cpp"), f"-L{selfcheck.bin}", "-lggml-cpu",
+                            "-lggml-base", f"-Wl,-rpath,{selfcheck.bin}", "-o", str(exe)],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    m = re.search(r"^(\d+) compared, (\d+) differ$", out.stdout, re.M)
+    assert out.returncode == 0 and m and int(m.group(1)) > 0 and m.group(2) == "0", out.stdout[-3000:]
+    if _cpu_has("avx2", "fma", "f16c"):
+        assert "path: avx2" in out.stdout, out.stdout
 
 
 @pytest.fixture(scope="session")
