@@ -59,9 +59,9 @@ def test_table_tells_block_sizes_apart() -> None:
 
 
 def test_longctx_reports_pair_by_name(tmp_path: Path) -> None:
-    """h200.sh `longctx`: harness JSONs named longctx-KV-DEPTH-dense / -kK-bB become 8b-synth rows
-    (decode_tps); a report whose depth disagrees with its name, one without a timed step and other files
-    are left out."""
+    """h200.sh `longctx`: harness JSONs named longctx-KV-DEPTH-dense / -kK-bB[-SCORE] become 8b-synth rows
+    (decode_tps; no score: `max`, what those runs ran); a report whose depth disagrees with its name, one
+    without a timed step and other files are left out."""
     res = tmp_path / "log"
     res.mkdir()
 
@@ -73,11 +73,16 @@ def test_longctx_reports_pair_by_name(tmp_path: Path) -> None:
     js("longctx-q8_0-1048576-dense", 1048576, 0.0)        # no timed step
     js("longctx-q8_0-1048576-k32-b128", 131072, 90.0)     # not the depth its name says
     js("longctx-f16-524288-dense-profile", 524288, 1.0)   # the tracer's profile, not a harness report
-    rows = bench.load_results(res)
-    assert [(r.model, r.kv, r.depth, r.sparse, r.budget) for r in rows] == [
-        (bench.SYNTH_MODEL, "f16", 524288, False, 0), (bench.SYNTH_MODEL, "f16", 524288, True, 32 * 128)]
-    (c,) = bench.ratios(rows)
-    assert c["ratio"] == pytest.approx(5.0)
+    js("longctx-f16-524288-k32-b128-maxmean", 524288, 160.0)  # the score, as the stage names it now
+    js("longctx-f16-524288-k32-b128-bogus", 524288, 1.0)  # not a score
+    rows = sorted(bench.load_results(res), key=bench.BenchRow.order)
+    assert [(r.model, r.kv, r.depth, r.sparse, r.budget, r.score) for r in rows] == [
+        (bench.SYNTH_MODEL, "f16", 524288, False, 0, "max"),
+        (bench.SYNTH_MODEL, "f16", 524288, True, 32 * 128, "max"),
+        (bench.SYNTH_MODEL, "f16", 524288, True, 32 * 128, "maxmean")]
+    ratios = bench.ratios(rows)
+    assert [c["ratio"] for c in ratios] == [pytest.approx(5.0), pytest.approx(4.0)]
+    assert "| 4096 (32 x 128, maxmean) | 160.0 |" in bench.markdown_table(rows)
 
 
 def test_sparse_row_without_dense_has_no_ratio() -> None:

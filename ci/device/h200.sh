@@ -27,8 +27,9 @@
 # profile (a kernel timeline of llama-bench at each of PROFILE_DEPTHS, default 131072, dense and sparse, and with
 # PROFILE_PP="off on" of a prompt of PROFILE_PP_NPP tokens, default 32768: kernel-trace.cpp + kernel_profile.py),
 # longctx (decode at a synthetic depth, LONGCTX_CASES "KV:DEPTH ..." default "f16:131072 f16:524288 q8_0:1048576",
-# dense and sparse (LONGCTX_TOPK x LONGCTX_BLOCK, default 32 x 128), traced: the harness's --synthetic-depth tiles a
-# 4096-token prompt's state to the depth; `bench report` reads the JSONs as model "8b-synth")
+# dense and sparse (LONGCTX_TOPK x LONGCTX_BLOCK, default 32 x 128, block score LONGCTX_SCORE, default maxmean),
+# traced: the harness's --synthetic-depth tiles a 4096-token prompt's state to the depth; `bench report` reads the
+# JSONs as model "8b-synth")
 # (PROFILE_DEPTHS=" " leaves the decode timelines out)
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072; BENCH_ARGS: more llama-bench
 # arguments for it, e.g. "-sadt 0,1": the layer rule off and on, and dense twice, which shows the run-to-run spread;
@@ -38,7 +39,7 @@
 # cells, default "32768 131072 524288")
 # CANDIDATES: patch files (paths in the working tree, space-separated) applied with `git apply` over the carried tree
 # by start and resume: a change to try on the GPU before it joins the series, e.g.
-# CANDIDATES=ci/device/candidates/maxmean-fused.patch (resume with the same list keeps it applied)
+# CANDIDATES=ci/device/candidates/NAME.patch (resume with the same list keeps it applied; see ci/device/candidates/README.md)
 set -u
 ROOT=$(pwd)
 W=${OPENCOTI_DEVICE_WORK:-/tmp/ocw}
@@ -302,13 +303,14 @@ start() {
             local tracer=0; run_stage build-tracer build_tracer && tracer=1
             for c in ${LONGCTX_CASES:-f16:131072 f16:524288 q8_0:1048576}; do
                 local kv=${c%%:*} d=${c##*:} sa k=${LONGCTX_TOPK:-32} b=${LONGCTX_BLOCK:-128}
+                local sc=${LONGCTX_SCORE:-maxmean}
                 for sa in off on; do
-                    # the name carries what `bench report` needs: KV type, depth, dense or top-k x block
-                    local name=longctx-$kv-$d-dense; [ $sa = on ] && name=longctx-$kv-$d-k$k-b$b
+                    # the name carries what `bench report` needs: KV type, depth, dense or top-k x block and score
+                    local name=longctx-$kv-$d-dense; [ $sa = on ] && name=longctx-$kv-$d-k$k-b$b-$sc
                     local cmd=("$W/harness/opencoti-harness" -m "$M8B" -ngl $NGL -fa on -ctk "$kv" -ctv "$kv" -t 8
                         --prompt-tokens 4096 --synthetic-depth "$d" --decode "${LONGCTX_DECODE:-40}" --warmup 8
                         --sparse-attn "$sa" --sparse-attn-topk "$k" --sparse-attn-block-size "$b"
-                        --json "$LOG/$name.json")
+                        --sparse-attn-score "$sc" --json "$LOG/$name.json")
                     if [ $tracer = 1 ]; then run_stage "$name" traced "$name-profile" "${cmd[@]}"
                     else run_stage "$name" "${cmd[@]}"; fi
                 done

@@ -70,13 +70,16 @@ class BenchRow:
     run: str = ""
     # llama-bench's sparse_attn_dense_last (-sadt), None where the record has no such field
     dense_last: int | None = None
-    # llama-bench's block score (-sasc) and key-sum page size (-sap); records without them ran the defaults
+    # llama-bench's block score (-sasc) and key-sum page size (-sap); records without them ran the defaults of
+    # their time (`max`, the default until 2026-12-06; 16-cell pages)
     score: str = "max"
     page: int = 16
 
     @property
     def selector(self) -> str:
-        """How the blocks were ranked where not the default (``maxmean, 4-cell pages``), else ``""``."""
+        """How the blocks were ranked where not `max` over 16-cell pages (``maxmean, 4-cell pages``), else
+        ``""``: the labels of every table since the scores were compared, `max` being the default until
+        2026-12-06 (``maxmean`` since)."""
         score = [] if self.score == "max" else [self.score]
         return ", ".join(score + ([] if self.page == 16 else [f"{self.page}-cell pages"]))
 
@@ -98,7 +101,7 @@ class BenchRow:
 
 
 def _budget_label(budget: int, topk: int, block: int, selector: str) -> str:
-    """``4096 (32 x 128)``, or with a selector other than the default ``4096 (32 x 128, maxmean)``."""
+    """``4096 (32 x 128)`` (`max`), or with another selector ``4096 (32 x 128, maxmean)``."""
     return f"{budget} ({topk} x {block}{', ' + selector if selector else ''})"
 
 
@@ -276,15 +279,17 @@ def plot(rows: list[BenchRow], out: Path) -> Path | None:
     return out
 
 
-# ci/device/h200.sh `longctx`: one opencoti-harness --synthetic-depth JSON per run, named for what it ran
+# ci/device/h200.sh `longctx`: one opencoti-harness --synthetic-depth JSON per run, named for what it ran; the
+# block score last (runs before it was named ran `max`, the tree's default then)
 _LONGCTX_NAME = re.compile(
-    r"^longctx-(?P<kv>[a-z0-9_]+)-(?P<depth>\d+)-(?:dense|k(?P<topk>\d+)-b(?P<block>\d+))$")
+    r"^longctx-(?P<kv>[a-z0-9_]+)-(?P<depth>\d+)-"
+    r"(?:dense|k(?P<topk>\d+)-b(?P<block>\d+)(?:-(?P<score>max|maxmean|mass))?)$")
 SYNTH_MODEL = "8b-synth"  # the 8B shape decoding at a synthetic depth (tiled state, no real prefill)
 
 
 def parse_longctx(path: Path, run: str = "") -> BenchRow | None:
-    """A ``longctx-KV-DEPTH-dense.json`` / ``longctx-KV-DEPTH-kK-bB.json`` harness report as a row (decode
-    tokens/s after the warmup steps); None for another file or a report without a timed step."""
+    """A ``longctx-KV-DEPTH-dense.json`` / ``longctx-KV-DEPTH-kK-bB[-SCORE].json`` harness report as a row
+    (decode tokens/s after the warmup steps); None for another file or a report without a timed step."""
     m = _LONGCTX_NAME.match(path.stem)
     if not m:
         return None
@@ -295,7 +300,7 @@ def parse_longctx(path: Path, run: str = "") -> BenchRow | None:
     sparse = m["topk"] is not None
     return BenchRow(model=SYNTH_MODEL, kv=m["kv"], depth=int(m["depth"]), sparse=sparse,
                     topk=int(m["topk"]) if sparse else 0, block=int(m["block"]) if sparse else 128,
-                    tps=tps, tps_sd=0.0, run=run)
+                    tps=tps, tps_sd=0.0, run=run, score=m["score"] or "max")
 
 
 def load_results(results: Path) -> list[BenchRow]:

@@ -333,9 +333,10 @@ def paired_change(lost: int, gained: int, n: int) -> tuple[float, float]:
 def annotate_paired(passkey: dict[str, Any]) -> None:
     """Add ``change_per_100`` and ``change_ci95`` (:func:`paired_change`) to every variant of a passkey
     result that counts lost and gained answers (results written before those counts are left as they are),
-    and to every sparse variant with another score or block size than the default's (``sparse-25%-maxmean``)
-    ``vs_default``: the same against the default's variant of that budget (``sparse-25%``) on the same
-    prompts, from the prompts each answers wrong."""
+    and to every sparse variant with another score or block size than `max` over 128-token blocks
+    (``sparse-25%-maxmean``) ``vs_default``: the same against that reference variant of the budget
+    (``sparse-25%``, the default until 2026-12-06) on the same prompts, from the prompts each answers
+    wrong."""
     def fields(lost: int, gained: int, n: int) -> dict[str, float]:
         change, ci95 = paired_change(lost, gained, n)
         return {"change_per_100": round(change, 4), "change_ci95": round(ci95, 4)}
