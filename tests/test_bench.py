@@ -58,6 +58,18 @@ def test_table_tells_block_sizes_apart() -> None:
     assert "| 4096 (32 x 128) | 180.0 |" in table and "| 4096 (128 x 32) | 97.0 |" in table
 
 
+def test_automatic_block_size_counts_128_token_blocks_and_says_auto() -> None:
+    """llama-bench's -sab 0 (the default): the budget is top-k x 128 tokens (what the tree selects, in blocks of 32
+    under 1024 tokens), labelled "auto", a row apart from an explicit 128."""
+    auto5 = dict(_rec(131072, 1, 190.0, topk=5), sparse_attn_block_size=0)
+    auto32 = dict(_rec(131072, 1, 181.0), sparse_attn_block_size=0)
+    rows = bench.parse_llama_bench([_rec(131072, 0, 95.0), _rec(131072, 1, 180.0), auto5, auto32], "8b")
+    assert sorted(r.budget for r in rows if r.sparse) == [640, 4096, 4096]
+    table = bench.markdown_table(rows)
+    assert "| 640 (5 x auto) | 190.0 |" in table and "| 4096 (32 x auto) | 181.0 |" in table
+    assert "| 4096 (32 x 128) | 180.0 |" in table
+
+
 def test_longctx_reports_pair_by_name(tmp_path: Path) -> None:
     """h200.sh `longctx`: harness JSONs named longctx-KV-DEPTH-dense / -kK-bB[-SCORE] become 8b-synth rows
     (decode_tps; no score: `max`, what those runs ran); a report whose depth disagrees with its name, one

@@ -55,6 +55,10 @@ def pack_slim(tree: Path, out: Path, top: str = "llama.cpp", rev: str | None = N
     return out
 
 
+# llama-bench's -sab 0 (the default since 2026-12-06) is the automatic block size: its top-k counts blocks of 128
+AUTO_BLOCK_TOPK_UNIT = 128
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchRow:
     model: str
@@ -85,7 +89,9 @@ class BenchRow:
 
     @property
     def budget(self) -> int:
-        return self.topk * self.block if self.sparse else 0
+        """Tokens selected by score; block size 0 is the automatic one, whose top-k counts 128-cell blocks (what
+        it selects as blocks of 32 under 1024 tokens are as many tokens)."""
+        return self.topk * (self.block or AUTO_BLOCK_TOPK_UNIT) if self.sparse else 0
 
     @property
     def folder(self) -> str:
@@ -101,8 +107,9 @@ class BenchRow:
 
 
 def _budget_label(budget: int, topk: int, block: int, selector: str) -> str:
-    """``4096 (32 x 128)`` (`max`), or with another selector ``4096 (32 x 128, maxmean)``."""
-    return f"{budget} ({topk} x {block}{', ' + selector if selector else ''})"
+    """``4096 (32 x 128)`` (`max`), or with another selector ``4096 (32 x 128, maxmean)``; the automatic block
+    size (0): ``4096 (32 x auto)``."""
+    return f"{budget} ({topk} x {block or 'auto'}{', ' + selector if selector else ''})"
 
 
 def _get(rec: dict[str, Any], *names: str, default: Any = None) -> Any:
