@@ -59,8 +59,8 @@ def test_table_tells_block_sizes_apart() -> None:
 
 
 def test_automatic_block_size_counts_128_token_blocks_and_says_auto() -> None:
-    """llama-bench's -sab 0 (the default): the budget is top-k x 128 tokens (what the tree selects, in blocks of 32
-    under 1024 tokens), labelled "auto", a row apart from an explicit 128."""
+    """llama-bench's -sab 0 (the default): the budget is top-k x 128 tokens (what the tree selects, in blocks
+    of 32 under 1024 tokens), labelled "auto", a row apart from an explicit 128."""
     auto5 = dict(_rec(131072, 1, 190.0, topk=5), sparse_attn_block_size=0)
     auto32 = dict(_rec(131072, 1, 181.0), sparse_attn_block_size=0)
     rows = bench.parse_llama_bench([_rec(131072, 0, 95.0), _rec(131072, 1, 180.0), auto5, auto32], "8b")

@@ -55,7 +55,7 @@ def pack_slim(tree: Path, out: Path, top: str = "llama.cpp", rev: str | None = N
     return out
 
 
-# llama-bench's -sab 0 (the default since 2026-12-06) is the automatic block size: its top-k counts blocks of 128
+# llama-bench's -sab 0 (the default since 2026-12-06), the automatic block size: top-k counts blocks of 128
 AUTO_BLOCK_TOPK_UNIT = 128
 
 
@@ -89,8 +89,8 @@ class BenchRow:
 
     @property
     def budget(self) -> int:
-        """Tokens selected by score; block size 0 is the automatic one, whose top-k counts 128-cell blocks (what
-        it selects as blocks of 32 under 1024 tokens are as many tokens)."""
+        """Tokens selected by score; block size 0 is the automatic one, whose top-k counts 128-cell blocks
+        (what it selects as blocks of 32 under 1024 tokens are as many tokens)."""
         return self.topk * (self.block or AUTO_BLOCK_TOPK_UNIT) if self.sparse else 0
 
     @property
