@@ -207,11 +207,14 @@ def test_real_series_is_default_off(cfg: ident.VerifyConfig, pristine: b.BuildRe
 # "<name> OK" line each (a multi-seq or threshold line goes on with its measured values); also the layer
 # rule (8: which layers get a side-cache, llama and Gemma-3-like layouts) and the block sizes below the CUDA
 # FA tile (2: 32 and 64 columns, the sparse path attaches and selects), and top-k 0 (1: a plain sink + recent
-# window attaches, changes the logits, and is refused with neither)
+# window attaches, changes the logits, and is refused with neither); and one line each for the cases named
+# in KV_NAMED_CASES (the key-sum page size; the automatic block size: bit for bit the explicit setting it
+# chooses, and the automatic min-ctx's floor)
 KV_CASES = 3 * 3 * 2 + 6 + 2 * 2 + 2 * 2
 KV_RULE_CASES = 8
 KV_BLOCK_CASES = 2
 KV_WINDOW_CASES = 1
+KV_NAMED_CASES = ("page size", "automatic block size")
 
 
 @pytest.fixture(scope="session")
@@ -250,6 +253,8 @@ def test_sparse_attn_cpu_selfchecks(selfcheck: b.BuildResult) -> None:
     assert len(blocks) == KV_BLOCK_CASES and all(r == "OK" for _, r in blocks), blocks
     windows = re.findall(r"^(window top-k 0)\s+(OK|FAILED)$", log, re.M)
     assert len(windows) == KV_WINDOW_CASES and all(r == "OK" for _, r in windows), windows
+    for name in KV_NAMED_CASES:
+        assert re.findall(rf"^({re.escape(name)})\s+(OK|FAILED)$", log, re.M) == [(name, "OK")], name
 
 
 NATIVE = ROOT / "tests" / "native"
