@@ -160,6 +160,14 @@ def test_stage_table_budgets_and_sizes(tmp_path: Path) -> None:
         "--scores max,maxmean,maxmean-p4"]
     res = _sh(script, "args", "passkey-8k-scores", OPENCOTI_DEVICE_CUDA="1", SCORES="max,mass-p1")
     assert res.stdout.strip().endswith("--scores max,mass-p1")
+    # the fine unit: every score of $SCORES over 128- and 32-token blocks
+    res = _sh(script, "args", "passkey-4k-fine", "passkey-8k-fine", OPENCOTI_DEVICE_CUDA="1",
+              SCORES="maxmean,maxmean-p4", SAMPLES="300")
+    assert res.stdout.splitlines() == [
+        "passkey-4k-fine: passkey --samples 4096:300 --shares 0.25 --fixed= --per-doc 10 --blocks 128,32 "
+        "--scores maxmean,maxmean-p4",
+        "passkey-8k-fine: passkey --samples 8192:300 --shares 0.25,0.125 --fixed= --per-doc 10 "
+        "--blocks 128,32 --scores maxmean,maxmean-p4"]
     res = _sh(script, "args", "passkey-4k", "fidelity", OPENCOTI_DEVICE_CUDA="0")  # the CPU dry run: tiny
     assert res.stdout.splitlines() == [
         "passkey-4k: passkey --samples 2048:4 --shares 0.5 --fixed 768 --per-doc 2",

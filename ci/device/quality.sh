@@ -39,6 +39,8 @@
 #   passkey-N-scores, fidelity-scores: (not in the default list) the scores of $SCORES (default max,maxmean,
 #              maxmean-p4: candidates for the default score) side by side, 128-token blocks: passkey at 25% attended
 #              (from 8K on also 12.5%), fidelity at 8K, 16K and 32K, 25% attended
+#   passkey-N-fine: (not in the default list) the scores of $SCORES over 128-token and 32-token blocks, every
+#              block size with every score: passkey at 25% attended (from 8K on also 12.5%)
 #   passkey-N-b32, fidelity-b32: (not in the default list) 128-token and 32-token selection blocks side by side
 #              on the same samples: 25% attended (passkey from 8K on also 12.5%, from 16K on also 2048 tokens;
 #              fidelity at 8K and 16K)
@@ -287,7 +289,7 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
         return 0
     fi
     case $s in
-    passkey-4k|passkey-8k|passkey-16k|passkey-32k|passkey-*k-dl0|passkey-*k-b32|passkey-*k-oracle|passkey-*k-scores)
+    passkey-4k|passkey-8k|passkey-16k|passkey-32k|passkey-*k-dl0|passkey-*k-b32|passkey-*k-oracle|passkey-*k-scores|passkey-*k-fine)
         local n=${s#passkey-}; n=${n%%k*}
         case $n in 4|8|16|32) ;; *) return 1 ;; esac
         local samples="--samples $((n * 1024)):$SAMPLES"
@@ -310,6 +312,10 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
         -oracle) echo "passkey $samples --shares $shares --fixed= --per-doc $PER_DOC --blocks 128,32 --scores max,max-p4,oracle" ;;
         # the same samples ranked by each score of $SCORES (128-token blocks): candidates for the default
         -scores) echo "passkey $samples --shares $shares --fixed= --per-doc $PER_DOC --scores $SCORES" ;;
+        # each score of $SCORES over 128-token and 32-token blocks (every block size with every score): the
+        # automatic block size's fine unit with 16- and 4-cell pages, at the budgets of a few blocks (25%, from 8K
+        # on 12.5% too)
+        -fine) echo "passkey $samples --shares $shares --fixed= --per-doc $PER_DOC --blocks 128,32 --scores $SCORES" ;;
         esac ;;
     fidelity-oracle)
         echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32 --scores max,max-p4,oracle" ;;
