@@ -243,15 +243,16 @@ def test_rows_of_another_score_or_page_size_say_so_and_pair_with_the_same_dense(
     builds, without the fields, are the defaults."""
     sel = [dict(_rec(131072, 1, tps), sparse_attn_page_size=page, sparse_attn_score=score)
            for tps, page, score in ((250.0, 16, "max"), (240.0, 16, "maxmean"), (200.0, 4, "max"),
-                                    (190.0, 4, "maxmean"))]
+                                    (190.0, 4, "maxmean"), (230.0, 0, "maxmean"))]
     _log(tmp_path / "bench-f16.log", _rec(131072, 0, 100.0), *sel)
     rows = bench.load_results(tmp_path)
-    assert sorted(r.selector for r in rows if r.sparse) == ["", "4-cell pages", "maxmean",
-                                                           "maxmean, 4-cell pages"]
+    assert sorted(r.selector for r in rows if r.sparse) == [
+        "", "4-cell pages", "maxmean", "maxmean, 4-cell pages", "maxmean, automatic pages"]
     assert [r.selector for r in rows if not r.sparse] == [""]
     md = bench.markdown_table(rows)
     assert "| 4096 (32 x 128) | 250.0 | **2.50×** |" in md
     assert "| 4096 (32 x 128, maxmean) | 240.0 | **2.40×** |" in md
     assert "| 4096 (32 x 128, 4-cell pages) | 200.0 | **2.00×** |" in md
     assert "| 4096 (32 x 128, maxmean, 4-cell pages) | 190.0 | **1.90×** |" in md
+    assert "| 4096 (32 x 128, maxmean, automatic pages) | 230.0 | **2.30×** |" in md
     assert all(c["dense_note"] is None for c in bench.ratios(rows))

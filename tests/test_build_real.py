@@ -209,11 +209,11 @@ def test_real_series_is_default_off(cfg: ident.VerifyConfig, pristine: b.BuildRe
 # FA tile (2: 32 and 64 columns, the sparse path attaches and selects); and one line each for the cases named
 # in KV_NAMED_CASES (top-k 0: a plain sink + recent window attaches, changes the logits, and is refused with
 # neither; the key-sum page size; the automatic block size: bit for bit the explicit setting it chooses, and
-# the automatic min-ctx's floor)
+# the automatic min-ctx's floor; the automatic page size: bit for bit the explicit page size it chooses)
 KV_CASES = 3 * 3 * 2 + 6 + 2 * 2 + 2 * 2
 KV_RULE_CASES = 8
 KV_BLOCK_CASES = 2
-KV_NAMED_CASES = ("window top-k 0", "page size", "automatic block size")
+KV_NAMED_CASES = ("window top-k 0", "page size", "automatic block size", "automatic page size")
 
 
 @pytest.fixture(scope="session")

@@ -90,3 +90,43 @@ def test_candidate_patches_are_applied_over_the_carried_tree(tmp_path: Path, app
         assert "return 2;" in text and "end prepare rc=0" in status, status
     else:
         assert "return 1;" in text and "end prepare rc=1" in status and "build" not in status, status
+
+
+def test_a_tree_packed_beside_another_series_is_refused(tmp_path: Path) -> None:
+    """`bench pack` stamps the carried tree with the digest of patches/ (series_digest); `start`/`resume`
+    recompute it in bash and refuse a tree packed before patches/ changed (a run once measured the old series
+    that way), unless OPENCOTI_ALLOW_STALE_TREE=1. The bash and the Python digests must agree."""
+    from opencoti_patch.quality.bench import pack_slim
+    from opencoti_patch.stack.series import series_digest
+
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "series").write_text("# the series\n0001-a.patch  # first\n\n0002-b.patch\n")
+    (patches / "0001-a.patch").write_text("a\n")
+    (patches / "0002-b.patch").write_text("b\n")
+    tree = tmp_path / "pack" / "llama.cpp"
+    tree.mkdir(parents=True)
+    (tree / "op.c").write_text("int op(void) { return 1; }\n")
+    pack_slim(tree, tmp_path / ".carry" / "llama-src.tar.gz", stamp=series_digest(patches))
+    work = tmp_path / "ocw"
+
+    def start(**env: str) -> subprocess.CompletedProcess[str]:
+        res = _h200(work, "start", "tests", **env)
+        pid_file = tmp_path / "ocw.pid"
+        if pid_file.exists():
+            subprocess.run(["kill", "--", f"-{int(pid_file.read_text())}"], capture_output=True)
+            pid_file.unlink()
+        return res
+
+    res = start()
+    assert res.returncode == 0 and "stamp" not in res.stderr, res.stderr
+    (patches / "0002-b.patch").write_text("b, changed\n")
+    res = start()
+    assert res.returncode == 1 and "packed beside another state of patches/" in res.stderr, res.stderr
+    assert "opencoti-patch bench pack" in res.stderr
+    assert _h200(work, "resume", "tests").returncode == 1
+    assert start(OPENCOTI_ALLOW_STALE_TREE="1").returncode == 0
+    # an unstamped tarball (packed before stamps) runs, with a warning
+    pack_slim(tree, tmp_path / ".carry" / "llama-src.tar.gz")
+    res = start()
+    assert res.returncode == 0 and "no series stamp" in res.stderr, res.stderr

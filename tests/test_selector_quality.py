@@ -409,8 +409,9 @@ def test_variants_per_block_score() -> None:
     assert [v.name for v in vs] == ["dense", "sparse-25%", "sparse-25%-mass", "window-25%"]
     assert vs[1].json()["score"] == "max" and vs[2].json()["score"] == "mass"
     assert vs[1].json()["topk"] == vs[2].json()["topk"]
-    assert vs[1].cfg.args()[-2:] == ["--sparse-attn-score", "max"]  # explicit: not the tree's default
-    assert vs[2].cfg.args()[-2:] == ["--sparse-attn-score", "mass"]
+    # explicit, not the tree's defaults
+    assert vs[1].cfg.args()[-4:] == ["--sparse-attn-score", "max", "--sparse-attn-page-size", "16"]
+    assert vs[2].cfg.args()[-4:-2] == ["--sparse-attn-score", "mass"]
     assert vs[3].cfg.score == "max"  # the window ranks nothing
     both = needle.variants_for(8192, [0.25], [], blocks=[128, 32], scores=["max", "mass"])
     assert [v.name for v in both][1:5] == ["sparse-25%", "sparse-25%-mass", "sparse-25%-b32",
@@ -426,14 +427,18 @@ def test_variants_per_block_score() -> None:
 
 def test_oracle_variant_is_the_mass_score_over_one_cell_pages() -> None:
     """--scores oracle: the MASS score with pages of one cell (the keys themselves), in the harness variant
-    and in the llama.cpp flags alike; the other scores keep the default page size."""
+    and in the llama.cpp flags alike; a plain score runs 16-cell pages, named, whatever the tree's default
+    (automatic since 2026-12-06), and <score>-pauto the automatic size."""
     vs = needle.variants_for(8192, [0.25], [], scores=["max", "oracle"])
     assert [v.name for v in vs] == ["dense", "sparse-25%", "sparse-25%-oracle", "window-25%"]
-    assert "page_size" not in vs[1].json()
+    assert vs[1].json()["page_size"] == 16
     assert {k: vs[2].json()[k] for k in ("score", "page_size")} == {"score": "mass", "page_size": 1}
     assert vs[2].cfg.args()[-4:] == ["--sparse-attn-score", "mass", "--sparse-attn-page-size", "1"]
     mass = needle.variants_for(8192, [0.25], [], scores=["mass"])[1]
-    assert "--sparse-attn-page-size" not in mass.cfg.args()
+    assert mass.cfg.args()[-4:] == ["--sparse-attn-score", "mass", "--sparse-attn-page-size", "16"]
+    auto = needle.variants_for(8192, [0.25], [], scores=["maxmean-pauto"])[1]
+    assert auto.name == "sparse-25%-maxmean-pauto" and auto.json()["page_size"] == 0
+    assert auto.cfg.args()[-2:] == ["--sparse-attn-page-size", "0"]
     p4 = needle.variants_for(8192, [0.25], [], scores=["max", "max-p4"])[2]
     assert p4.name == "sparse-25%-max-p4" and p4.json()["page_size"] == 4 and p4.json()["score"] == "max"
     assert p4.cfg.args()[-4:] == ["--sparse-attn-score", "max", "--sparse-attn-page-size", "4"]

@@ -381,8 +381,33 @@ launch() { # the detached run of the stages: _run, in its own session, its pid k
     echo $! > "$RUN_PID"
 }
 
+series_digest() { # patches/series and the patches it lists, in its order: opencoti_patch.stack.series.series_digest
+    (cd "$ROOT/patches" && cat series && sed -e 's/#.*//' -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' series |
+        grep -v '^$' | while read -r p; do cat "$p" || exit 1; done) | sha256sum | cut -d' ' -f1
+}
+
+refuse_stale_tree() { # a carried tree packed beside another state of patches/ would build and measure the old series
+    local tarball=$ROOT/.carry/llama-src.tar.gz stamp want
+    [ -f "$tarball" ] && [ -f "$ROOT/patches/series" ] && [ ! -f "$ROOT/.carry/APPLY_SERIES" ] || return 0
+    stamp=$(tar xzf "$tarball" -O llama.cpp/.opencoti-series.sha256 2>/dev/null) || {
+        echo "h200.sh: $tarball has no series stamp (packed before stamps): cannot tell whether it is the series" \
+             "of patches/; pack it again (opencoti-patch bench pack)" >&2
+        return 0
+    }
+    want=$(series_digest) || { echo "h200.sh: cannot read patches/series or a patch it lists" >&2; exit 1; }
+    if [ "$stamp" != "$want" ] && [ "${OPENCOTI_ALLOW_STALE_TREE:-0}" != 1 ]; then
+        echo "h200.sh: $tarball was packed beside another state of patches/ (stamp ${stamp:0:12}, patches/ now" \
+             "${want:0:12}): it would build the old series. Pack it again (opencoti-patch bench pack), or set" \
+             "OPENCOTI_ALLOW_STALE_TREE=1 to build it anyway" >&2
+        exit 1
+    fi
+}
+
 case ${1:-} in
     start|pipeline|resume) refuse_if_in_flight ;;
+esac
+case ${1:-} in
+    start|resume) refuse_stale_tree ;;
 esac
 case ${1:-} in
     start) shift; rm -rf "$W"; mkdir -p "$LOG"; launch "$@" ;;

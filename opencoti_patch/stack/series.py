@@ -174,6 +174,16 @@ def read_series(patches_dir: Path) -> list[str]:
     return names
 
 
+def series_digest(patches_dir: Path) -> str:
+    """sha256 of ``series`` followed by the patches it lists, in its order: what `bench pack` stamps a
+    carried tree with, and what ``ci/device/h200.sh`` recomputes (``cat series <patches...> | sha256sum``)
+    to refuse a tree packed from another state of the series."""
+    h = hashlib.sha256((patches_dir / "series").read_bytes())
+    for name in read_series(patches_dir):
+        h.update((patches_dir / name).read_bytes())
+    return h.hexdigest()
+
+
 SERIES_HEADER = (
     "# Patches applied in this order on top of the pinned upstream (see upstream.toml).",
     "# Managed by `opencoti-patch snapshot`; one NNNN-name.patch per line.",
