@@ -130,3 +130,8 @@ def test_a_tree_packed_beside_another_series_is_refused(tmp_path: Path) -> None:
     pack_slim(tree, tmp_path / ".carry" / "llama-src.tar.gz")
     res = start()
     assert res.returncode == 0 and "no series stamp" in res.stderr, res.stderr
+    # a patch the series lists but patches/ lacks: refused as unreadable, not as stale
+    pack_slim(tree, tmp_path / ".carry" / "llama-src.tar.gz", stamp=series_digest(patches))
+    (patches / "0002-b.patch").unlink()
+    res = start()
+    assert res.returncode == 1 and "cannot read patches/series or a patch it lists" in res.stderr, res.stderr

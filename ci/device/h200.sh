@@ -384,8 +384,11 @@ launch() { # the detached run of the stages: _run, in its own session, its pid k
 }
 
 series_digest() { # patches/series and the patches it lists, in its order: opencoti_patch.stack.series.series_digest
-    (cd "$ROOT/patches" && cat series && sed -e 's/#.*//' -e 's/^[[:space:]]*//' -e 's/[[:space:]]*$//' series |
-        grep -v '^$' | while read -r p; do cat "$p" || exit 1; done) | sha256sum | cut -d' ' -f1
+    local digest
+    digest=$(set -o pipefail; (cd "$ROOT/patches" && cat series && sed -e 's/#.*//' -e 's/^[[:space:]]*//' \
+        -e 's/[[:space:]]*$//' series | grep -v '^$' | while read -r p; do cat "$p" || exit 1; done) | sha256sum) ||
+        return 1
+    echo "${digest%% *}"
 }
 
 refuse_stale_tree() { # a carried tree packed beside another state of patches/ would build and measure the old series
