@@ -124,13 +124,12 @@ class AttnConfig:
     def args(self) -> list[str]:
         if not self.sparse:
             return []
-        settings = self.score_settings()
-        flags = (("score", "--sparse-attn-score"), ("page_size", "--sparse-attn-page-size"))
-        score = [arg for key, flag in flags if key in settings for arg in (flag, str(settings[key]))]
+        score, page = parse_score(self.score)
         return ["--sparse-attn", "on", "--sparse-attn-topk", str(self.topk),
                 "--sparse-attn-block-size", str(self.block_size), "--sparse-attn-recent", str(self.recent),
                 "--sparse-attn-sink", str(self.sink), "--sparse-attn-dense-layers", str(self.dense_layers),
-                "--sparse-attn-min-ctx", str(self.min_ctx), *score]
+                "--sparse-attn-min-ctx", str(self.min_ctx), "--sparse-attn-score", score,
+                "--sparse-attn-page-size", str(page)]
 
     @property
     def sink_blocks(self) -> int:  # mirrors llama_sparse_attn_params::n_sink_blocks
