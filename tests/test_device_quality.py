@@ -168,6 +168,18 @@ def test_stage_table_budgets_and_sizes(tmp_path: Path) -> None:
         "--scores maxmean,maxmean-p4",
         "passkey-8k-fine: passkey --samples 8192:300 --shares 0.25,0.125 --fixed= --per-doc 10 "
         "--blocks 128,32 --scores maxmean,maxmean-p4"]
+    # a fixed budget beside the shares (the 2048 tokens of issue 10 at 32K)
+    res = _sh(script, "args", "passkey-32k-scores", "passkey-4k-fine", OPENCOTI_DEVICE_CUDA="1",
+              SCORES="maxmean-pauto", FIXED="2048")
+    assert res.stdout.splitlines() == [
+        "passkey-32k-scores: passkey --samples 32768:100 --shares 0.25,0.125 --fixed=2048 --per-doc 10 "
+        "--scores maxmean-pauto",
+        "passkey-4k-fine: passkey --samples 4096:100 --shares 0.25 --fixed=2048 --per-doc 10 --blocks 128,32 "
+        "--scores maxmean-pauto"]
+    # another seed: other prompts, the same budgets
+    res = _sh(script, "args", "passkey-4k", OPENCOTI_DEVICE_CUDA="1", SEED="4321")
+    assert res.stdout.strip() == ("passkey-4k: passkey --samples 4096:100 --shares 0.25,0.125 --fixed 2048 "
+                                  "--per-doc 10 --seed 4321")
     res = _sh(script, "args", "passkey-4k", "fidelity", OPENCOTI_DEVICE_CUDA="0")  # the CPU dry run: tiny
     assert res.stdout.splitlines() == [
         "passkey-4k: passkey --samples 2048:4 --shares 0.5 --fixed 768 --per-doc 2",

@@ -41,6 +41,9 @@
 #              (from 8K on also 12.5%), fidelity at 8K, 16K and 32K, 25% attended
 #   passkey-N-fine: (not in the default list) the scores of $SCORES over 128-token and 32-token blocks, every
 #              block size with every score: passkey at 25% attended (from 8K on also 12.5%)
+#              (-scores and -fine: $FIXED adds fixed budgets in tokens, e.g. FIXED=2048 at 32K)
+# SEED (default 1234, the tools' own) draws other prompts and texts: a second sample of the same stage, its
+# reports named quality-<stage>-seed<N>.
 #   passkey-N-b32, fidelity-b32: (not in the default list) 128-token and 32-token selection blocks side by side
 #              on the same samples: 25% attended (passkey from 8K on also 12.5%, from 16K on also 2048 tokens;
 #              fidelity at 8K and 16K)
@@ -67,6 +70,9 @@ STEPS=${STEPS:-256}
 FID_TEXTS=${FID_TEXTS:-2}
 RECALL_TEXTS=${RECALL_TEXTS:-2}
 SCORES=${SCORES:-max,maxmean,maxmean-p4}            # the -scores stages: block scores side by side
+FIXED=${FIXED:-}                                     # the -scores and -fine stages: fixed budgets (tokens), e.g. 2048
+SEED=${SEED:-1234}                                   # the samples' seed (the tools' default 1234); another seed draws
+                                                     # other prompts and texts, reports named <stage>-seed<N>
 PER_DOC=${PER_DOC:-10}                               # passkey samples per filler text (10 texts per context)
 THREADS=${THREADS:-4}
 if [ "$CUDA" = 1 ]; then
@@ -271,12 +277,20 @@ print(build_harness(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]),
 
 selector() { # subcommand name args...
     local sub=$1 name=$2; shift 2
+    [ "$SEED" = 1234 ] || name=$name-seed$SEED
     opc "$PY" selector "$sub" --build "$BUILD" --llama-src "$SRC" --model "$(model_path)" \
         --prose "$QW/$PROSE_NAME" --work-dir "$QW/work" --out-dir "$QW/reports" --name "quality-$name" \
         -t "$THREADS" --ngl "$NGL" "$@"
 }
 
-stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
+stage_args() { # stage -> selector arguments, with the seed where it is not the tools' default
+    local args
+    args=$(stage_table "$1") || return 1
+    [ "$SEED" = 1234 ] || args="$args --seed $SEED"
+    echo "$args"
+}
+
+stage_table() { # stage -> selector arguments (tiny in the CPU dry run)
     local s=$1
     if [ "$CUDA" != 1 ]; then
         case $s in
@@ -311,11 +325,11 @@ stage_args() { # stage -> selector arguments (tiny in the CPU dry run)
         # score can close
         -oracle) echo "passkey $samples --shares $shares --fixed= --per-doc $PER_DOC --blocks 128,32 --scores max,max-p4,oracle" ;;
         # the same samples ranked by each score of $SCORES (128-token blocks): candidates for the default
-        -scores) echo "passkey $samples --shares $shares --fixed= --per-doc $PER_DOC --scores $SCORES" ;;
+        -scores) echo "passkey $samples --shares $shares --fixed=$FIXED --per-doc $PER_DOC --scores $SCORES" ;;
         # each score of $SCORES over 128-token and 32-token blocks (every block size with every score): the
         # automatic block size's fine unit with 16- and 4-cell pages, at the budgets of a few blocks (25%, from 8K
         # on 12.5% too)
-        -fine) echo "passkey $samples --shares $shares --fixed= --per-doc $PER_DOC --blocks 128,32 --scores $SCORES" ;;
+        -fine) echo "passkey $samples --shares $shares --fixed=$FIXED --per-doc $PER_DOC --blocks 128,32 --scores $SCORES" ;;
         esac ;;
     fidelity-oracle)
         echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32 --scores max,max-p4,oracle" ;;
