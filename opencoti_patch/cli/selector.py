@@ -453,7 +453,8 @@ _scores_option = click.option(
          "size, 4 cells up to 32K per sequence, 16 beyond; oracle: mass-p1, each block ranked by its "
          "exact share of the "
          "attention, the best any ranking can do), each its own sparse variants (suffix -<score> after the "
-         "first; with several --blocks, every block size with every score).")
+         "first; with several --blocks, every block size with every score). The series' default is "
+         "maxmean-pauto; plain max stays this option's default so that reports keep their row names.")
 
 
 def _score_list(text: str) -> list[str]:
