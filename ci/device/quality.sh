@@ -42,13 +42,13 @@
 #   passkey-N-fine: (not in the default list) the scores of $SCORES over 128-token and 32-token blocks, every
 #              block size with every score: passkey at 25% attended (from 8K on also 12.5%)
 #              (-scores and -fine: $FIXED adds fixed budgets in tokens, e.g. FIXED=2048 at 32K)
-# SEED (default 1234, the tools' own) draws other prompts and texts: a second sample of the same stage, its
-# reports named quality-<stage>-seed<N>.
 #   passkey-N-b32, fidelity-b32: (not in the default list) 128-token and 32-token selection blocks side by side
 #              on the same samples: 25% attended (passkey from 8K on also 12.5%, from 16K on also 2048 tokens;
 #              fidelity at 8K and 16K)
 #   served:    (not in the default list) 4K x $SAMPLES through llama-server with unified slots, one request
 #              at a time vs 4 at a time, dense / sparse 50% (issue 11); builds the llama-server target first
+# SEED (default 1234, the tools' own) draws other prompts and texts: a second sample of the same stage, its
+# reports named quality-<stage>-seed<N>.
 # OPENCOTI_DEVICE_CUDA=0: a CPU dry run on a developer machine at tiny scale (2048-token contexts, shares
 # 50% and a fixed 768 tokens, 4 passkey samples, 32 fidelity steps) against OPENCOTI_QUALITY_BUILD (a CPU
 # build of the patched tree with libllama-common; its source: OPENCOTI_QUALITY_SRC, default work/llama.cpp).
@@ -71,8 +71,8 @@ FID_TEXTS=${FID_TEXTS:-2}
 RECALL_TEXTS=${RECALL_TEXTS:-2}
 SCORES=${SCORES:-max,maxmean,maxmean-p4}            # the -scores stages: block scores side by side
 FIXED=${FIXED:-}                                     # the -scores and -fine stages: fixed budgets (tokens), e.g. 2048
-SEED=${SEED:-1234}                                   # the samples' seed (the tools' default 1234); another seed draws
-                                                     # other prompts and texts, reports named <stage>-seed<N>
+DEFAULT_SEED=1234                                    # the tools' own seed (opencoti-patch selector --seed)
+SEED=${SEED:-$DEFAULT_SEED}                          # another seed draws other prompts and texts: reports <stage>-seed<N>
 PER_DOC=${PER_DOC:-10}                               # passkey samples per filler text (10 texts per context)
 THREADS=${THREADS:-4}
 if [ "$CUDA" = 1 ]; then
@@ -277,7 +277,7 @@ print(build_harness(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]),
 
 selector() { # subcommand name args...
     local sub=$1 name=$2; shift 2
-    [ "$SEED" = 1234 ] || name=$name-seed$SEED
+    [ "$SEED" = "$DEFAULT_SEED" ] || name=$name-seed$SEED
     opc "$PY" selector "$sub" --build "$BUILD" --llama-src "$SRC" --model "$(model_path)" \
         --prose "$QW/$PROSE_NAME" --work-dir "$QW/work" --out-dir "$QW/reports" --name "quality-$name" \
         -t "$THREADS" --ngl "$NGL" "$@"
@@ -286,7 +286,7 @@ selector() { # subcommand name args...
 stage_args() { # stage -> selector arguments, with the seed where it is not the tools' default
     local args
     args=$(stage_table "$1") || return 1
-    [ "$SEED" = 1234 ] || args="$args --seed $SEED"
+    [ "$SEED" = "$DEFAULT_SEED" ] || args="$args --seed $SEED"
     echo "$args"
 }
 
