@@ -67,13 +67,15 @@ def test_behaviour_fails_when_nothing_comparable(tmp_path: Path, broken: dict[st
 def test_verdict_needs_sources_and_behaviour(tmp_path: Path) -> None:
     builds = [ident.Check("build pristine", "build", True, "ok"),
               ident.Check("build patched", "build", True, "ok")]
-    verdict, missing, _ = ident.verdict_of(builds)
-    assert verdict == "FAIL" and missing == ["sources", "behaviour"]
+    v = ident.verdict_of(builds)
+    assert v.verdict == "INCOMPLETE" and v.missing_stages == ("sources", "behaviour")
     _, _, data = ident.render_report(builds, META, tmp_path, TEMPLATES)
-    assert data["verdict"] == "FAIL"
+    assert data["verdict"] == "INCOMPLETE"
     assert "No passed check of: sources, behaviour" in (tmp_path / "verify-identical.md").read_text()
     with pytest.raises(CheckFailed, match="no passed behaviour check"):
         ident.raise_on_failure(data)
+    with pytest.raises(CheckFailed, match="no passed behaviour check"):  # a missing stage is never accepted
+        ident.raise_on_failure(data, accept_not_checked=["sources", "behaviour"])
 
 
 def test_not_checked_is_incomplete_not_pass(tmp_path: Path) -> None:

@@ -21,8 +21,8 @@ Checks (each pass, FAIL or "not checked" with evidence, rendered as markdown + J
    compute buffer sizes and the serialized state size. Both runs must have written a dump of
    1 + decode rows of n_vocab floats from the requested prompt, else nothing was compared: FAIL.
 
-Verdict: FAIL when a check failed or no sources, build or behaviour check passed; INCOMPLETE when a
-check proved nothing ("not checked"); PASS only when every check ran and passed.
+Verdict (:mod:`..verdict`): FAIL when a check failed; INCOMPLETE when a check proved nothing ("not
+checked") or no build, sources or behaviour check passed; PASS only when every check ran and passed.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,8 @@ from ..report import info, render
 from ..stack.apply import apply_to_folder
 from ..stack.series import diff_paths, read_series
 from ..stack.upstream import sha256_file
+from ..verdict import FAIL, Check, Verdict
+from ..verdict import verdict_of as shared_verdict_of
 from .builder import (
     LIB_TARGETS,
     BuildOptions,
@@ -198,19 +200,6 @@ def first_difference(a: Path, b: Path, n_vocab: int) -> str:
 
 
 # --------------------------------------------------------------------------- checks + report
-
-@dataclass
-class Check:
-    name: str
-    stage: str  # "build", "sources", "reproducibility", "binaries", "behaviour"
-    passed: bool | None  # None = not checked (skipped, or nothing it could prove)
-    summary: str
-    evidence: list[str] = field(default_factory=list)
-
-    @property
-    def status(self) -> str:
-        return "not checked" if self.passed is None else ("pass" if self.passed else "FAIL")
-
 
 @dataclass
 class VerifyConfig:
@@ -573,24 +562,17 @@ def _tokens_sha(summary: dict[str, Any]) -> str | None:
 REQUIRED_STAGES = ("build", "sources", "behaviour")
 
 
-def verdict_of(checks: Sequence[Check]) -> tuple[str, list[str], list[str]]:
-    """(verdict, required stages with no passed check, checks not checked).
-
-    FAIL: a check failed or a required stage never passed; INCOMPLETE: all that ran passed, but some
-    check could not prove anything (reported as "not checked"); PASS: every check ran and passed."""
-    missing = [st for st in REQUIRED_STAGES if not any(c.passed for c in checks if c.stage == st)]
-    not_checked = [f"{c.stage}: {c.name}" for c in checks if c.passed is None]
-    if missing or any(c.passed is False for c in checks):
-        return "FAIL", missing, not_checked
-    return ("INCOMPLETE" if not_checked else "PASS"), missing, not_checked
+def verdict_of(checks: Sequence[Check]) -> Verdict:
+    """The verdict of verify-identical: :func:`..verdict.verdict_of` with :data:`REQUIRED_STAGES`."""
+    return shared_verdict_of(checks, REQUIRED_STAGES)
 
 
 def render_report(checks: Sequence[Check], meta: dict[str, Any], out_dir: Path,
                   template_dirs: Sequence[Path]) -> tuple[Path, Path, dict[str, Any]]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    verdict, missing, not_checked = verdict_of(checks)
-    data = {"verdict": verdict, "missing_stages": missing, "not_checked": not_checked, "meta": meta,
-            "checks": [asdict(c) | {"status": c.status} for c in checks]}
+    v = verdict_of(checks)
+    data = {"verdict": v.verdict, "missing_stages": list(v.missing_stages),
+            "not_checked": list(v.not_checked), "meta": meta, "checks": [c.as_dict() for c in checks]}
     js = out_dir / "verify-identical.json"
     write_report(js, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
     md = out_dir / "verify-identical.md"
@@ -710,12 +692,11 @@ def _patch_map(cfg: VerifyConfig, changed: Sequence[str]) -> dict[str, list[str]
 
 def raise_on_failure(data: dict[str, Any], accept_not_checked: Iterable[str] = ()) -> None:
     """Raise unless the verdict is PASS, or INCOMPLETE with only ``accept_not_checked`` stages not checked."""
-    if data["verdict"] == "FAIL":
-        failed = [c["name"] for c in data["checks"] if c["passed"] is False]
-        failed += [f"no passed {st} check" for st in data.get("missing_stages", [])]
-        raise CheckFailed(f"verify-identical FAILED: {', '.join(failed) or 'no check ran'}")
-    accepted = set(accept_not_checked)
-    left = [c["name"] for c in data["checks"] if c["passed"] is None and c["stage"] not in accepted]
-    if data["verdict"] != "PASS" and left:
-        raise CheckFailed(f"verify-identical INCOMPLETE, not checked: {', '.join(left)} "
-                          "(accept explicitly with --accept-not-checked STAGE)")
+    v = Verdict(data["verdict"], tuple(c["name"] for c in data["checks"] if c["passed"] is False),
+                tuple(data.get("missing_stages", [])), tuple(data.get("not_checked", [])))
+    if v.accepts(accept_not_checked):
+        return
+    if v.verdict == FAIL:
+        raise CheckFailed(f"verify-identical FAILED: {', '.join(v.reasons())}")
+    raise CheckFailed(f"verify-identical INCOMPLETE: {', '.join(v.reasons())} "
+                      "(accept a stage that cannot be checked here with --accept-not-checked STAGE)")
