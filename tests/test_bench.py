@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch.build.synth_gguf import LlamaShape, import_gguf, write_llama_gguf
-from opencoti_patch.quality import bench
+from opencoti_patch.lab import bench
+from opencoti_patch.verify.synth_gguf import LlamaShape, import_gguf, write_llama_gguf
 
 
 def test_pack_slim_drops_unneeded_folders(tmp_path: Path) -> None:

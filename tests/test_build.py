@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from test_house import fake_ccache
 
-from opencoti_patch.build import builder as b
-from opencoti_patch.build import identical as ident
-from opencoti_patch.build.workflow import render_workflow, write_workflow
+from opencoti_patch.builds import builder as b
+from opencoti_patch.builds.workflow import render_workflow, write_workflow
 from opencoti_patch.errors import CheckFailed, OpencotiError
+from opencoti_patch.verify import identical as ident
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = [ROOT / "opencoti_patch" / "templates"]

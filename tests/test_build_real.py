@@ -24,16 +24,16 @@ from typing import NoReturn
 
 import pytest
 
-from opencoti_patch.build import builder as b
-from opencoti_patch.build import identical as ident
-from opencoti_patch.build import synth_gguf
-from opencoti_patch.build.harness import BATCH_EXE, SINGLE_EXE, build_harness
+from opencoti_patch.builds import builder as b
+from opencoti_patch.builds.harness import BATCH_EXE, SINGLE_EXE, build_harness
 from opencoti_patch.config import Settings
 from opencoti_patch.errors import OpencotiError
-from opencoti_patch.quality import evaluate as ev
-from opencoti_patch.quality import loadtest
-from opencoti_patch.quality import multidevice as md
+from opencoti_patch.lab import evaluate as ev
+from opencoti_patch.lab import loadtest
+from opencoti_patch.lab import multidevice as md
 from opencoti_patch.stack.series import read_series
+from opencoti_patch.verify import identical as ident
+from opencoti_patch.verify import synth_gguf
 
 pytestmark = pytest.mark.build
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch.quality import prose
+from opencoti_patch.lab import prose
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ci" / "device" / "quality.sh"
 MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from opencoti_patch.errors import CheckFailed, OpencotiError
-from opencoti_patch.quality import evaluate as ev
+from opencoti_patch.lab import evaluate as ev
 
 FIT = ev.TokenFit(base=40, per_filler=25.0, header=20)
 

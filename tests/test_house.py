@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch.build import builder as b
+from opencoti_patch.builds import builder as b
 from opencoti_patch.config import SHIPPED_TEMPLATES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_tiny_build_with_default_options_needs_no_ccache(tmp_path: Path,
 def test_ccache_wanted_but_not_installed_is_off_everywhere(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """--no-ccache not given (ccache wanted) on a machine without it: no launcher anywhere."""
-    from opencoti_patch.build.harness import harness_args
+    from opencoti_patch.builds.harness import harness_args
 
     monkeypatch.setenv("PATH", path_without_ccache(tmp_path))
     opts = b.BuildOptions(ccache=True)

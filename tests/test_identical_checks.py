@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch.build import builder as b
-from opencoti_patch.build import identical as ident
+from opencoti_patch.builds import builder as b
 from opencoti_patch.errors import CheckFailed
+from opencoti_patch.verify import identical as ident
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = [ROOT / "opencoti_patch" / "templates"]

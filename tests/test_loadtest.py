@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from opencoti_patch.cli import cli
-from opencoti_patch.quality import loadtest as lt
+from opencoti_patch.lab import loadtest as lt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_llama_server import FakeLlamaServer, Faults  # noqa: E402

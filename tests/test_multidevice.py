@@ -1,4 +1,4 @@
-"""Unit tests of the RPC layout check (opencoti_patch.quality.multidevice): log parsing and the verdicts, on
+"""Unit tests of the RPC layout check (opencoti_patch.lab.multidevice): log parsing and the verdicts, on
 synthetic logit dumps and llama.cpp log lines (the real run: tests/test_build_real.py, ci/device/rpc.sh)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from opencoti_patch.errors import OpencotiError
-from opencoti_patch.quality import multidevice as md
+from opencoti_patch.lab import multidevice as md
 
 N_VOCAB = 8
 

@@ -132,7 +132,7 @@ def test_write_pin_then_abort_puts_the_default_back(project: Project) -> None:
 
 
 def _staleness(p: Project) -> list[str]:
-    from opencoti_patch.cli.build import _pin_and_staleness
+    from opencoti_patch.cli.builds import _pin_and_staleness
     from opencoti_patch.config import Settings
 
     return _pin_and_staleness(Settings.resolve(), None, None)[1]

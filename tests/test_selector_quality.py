@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from opencoti_patch.errors import OpencotiError
-from opencoti_patch.quality import needle, prose, recall
-from opencoti_patch.quality.evaluate import parse_score
+from opencoti_patch.lab import needle, prose, recall
+from opencoti_patch.lab.evaluate import parse_score
 
 LONG = ("This paragraph is long enough to count as prose for the corpus, because it has well over "
         "twenty-five words in it and it ends with a full stop like a real sentence does in running text.")
@@ -132,7 +132,7 @@ def test_needle_kept_sees_the_needle_block_and_the_window_does_not() -> None:
 
 
 def test_report_command_hides_machine_paths() -> None:
-    from opencoti_patch.cli.selector import _command
+    from opencoti_patch.lab.cli.selector import _command
 
     cmd = _command(["selector", "needles", "--build", "/opt/me/b", "--samples", "4096:16", "--prose=/usr/x",
                     "--layers", "5,11,17"])
@@ -237,7 +237,7 @@ def test_passkey_samples_per_filler_text() -> None:
 def _cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], dict[str, object]]:
     """The selector CLI with a fake model, a small prose folder and no harness build: returns the base
     arguments and a dict where the faked runners record what they were given."""
-    from opencoti_patch.cli import selector as sel
+    from opencoti_patch.lab.cli import selector as sel
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     (tmp_path / "docs").mkdir()
@@ -351,7 +351,7 @@ def test_qk_dump_is_reused_only_for_the_same_text_and_arguments(tmp_path: Path,
     nothing."""
     import sys  # noqa: PLC0415
 
-    from opencoti_patch.cli import selector  # noqa: PLC0415
+    from opencoti_patch.lab.cli import selector  # noqa: PLC0415
 
     calls = tmp_path / "calls"
     fake = tmp_path / "fake-dump"

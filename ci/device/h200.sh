@@ -17,7 +17,7 @@
 # llama.cpp/) with the patch series already applied, or pristine plus patches/series to apply here.
 # `bench pack` stamps it with the digest of patches/: start and resume refuse a tree packed beside another
 # state of the series (pack again; OPENCOTI_ALLOW_STALE_TREE=1 builds it anyway).
-# `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch bench pack --rev upstream/<pin>
+# `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch lab bench pack --rev upstream/<pin>
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
 # Stages (default: tests bench budgets bench-q8 bench-14b): also bench-b32 (the bench budget in 32-token blocks),
@@ -30,7 +30,7 @@
 # PROFILE_PP="off on" of a prompt of PROFILE_PP_NPP tokens, default 32768: kernel-trace.cpp + kernel_profile.py),
 # longctx (decode at a synthetic depth, LONGCTX_CASES "KV:DEPTH ..." default "f16:131072 f16:524288 q8_0:1048576",
 # dense and sparse (LONGCTX_TOPK x LONGCTX_BLOCK, default 32 x 128, block score LONGCTX_SCORE, default maxmean),
-# traced: the harness's --synthetic-depth tiles a 4096-token prompt's state to the depth; `bench report` reads the
+# traced: the harness's --synthetic-depth tiles a 4096-token prompt's state to the depth; `lab bench report` reads the
 # JSONs as model "8b-synth")
 # (PROFILE_DEPTHS=" " leaves the decode timelines out)
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072; BENCH_ARGS: more llama-bench
@@ -50,7 +50,7 @@ SRC=$W/llama.cpp
 BUILD=$W/build
 BIN=$BUILD/bin
 CUDA=${OPENCOTI_DEVICE_CUDA:-1}          # 0: CPU-only dry run of this script on a developer machine
-SHAPES=${OPENCOTI_SHAPES:-8b 14b}        # random-weight models to write (opencoti_patch.build.synth_gguf)
+SHAPES=${OPENCOTI_SHAPES:-8b 14b}        # random-weight models to write (opencoti_patch.verify.synth_gguf)
 M8B=${OPENCOTI_M8B:-$W/m-8b-q4_0.gguf}
 M14B=${OPENCOTI_M14B:-$W/m-14b-q4_0.gguf}
 NGL=99; BACKEND=CUDA0; GPU_FLAG=--cuda; PIPE_LABEL=cuda
@@ -133,7 +133,7 @@ write_models() {
     export PYTHONPATH=$ROOT
     for shape in $SHAPES; do
         [ -s "$W/m-$shape-q4_0.gguf" ] && continue # written by an earlier run on this machine (resume)
-        python3 -m opencoti_patch.build.synth_gguf "$W/m-$shape-q4_0.gguf" --shape "$shape" --type q4_0 --tree "$SRC" || return 1
+        python3 -m opencoti_patch.verify.synth_gguf "$W/m-$shape-q4_0.gguf" --shape "$shape" --type q4_0 --tree "$SRC" || return 1
     done
 }
 
@@ -396,13 +396,13 @@ refuse_stale_tree() { # a carried tree packed beside another state of patches/ w
     [ -f "$tarball" ] && [ -f "$ROOT/patches/series" ] && [ ! -f "$ROOT/.carry/APPLY_SERIES" ] || return 0
     stamp=$(tar xzf "$tarball" -O llama.cpp/.opencoti-series.sha256 2>/dev/null) || {
         echo "h200.sh: $tarball has no series stamp (packed before stamps): cannot tell whether it is the series" \
-             "of patches/; pack it again (opencoti-patch bench pack)" >&2
+             "of patches/; pack it again (opencoti-patch lab bench pack)" >&2
         return 0
     }
     want=$(series_digest) || { echo "h200.sh: cannot read patches/series or a patch it lists" >&2; exit 1; }
     if [ "$stamp" != "$want" ] && [ "${OPENCOTI_ALLOW_STALE_TREE:-0}" != 1 ]; then
         echo "h200.sh: $tarball was packed beside another state of patches/ (stamp ${stamp:0:12}, patches/ now" \
-             "${want:0:12}): it would build the old series. Pack it again (opencoti-patch bench pack), or set" \
+             "${want:0:12}): it would build the old series. Pack it again (opencoti-patch lab bench pack), or set" \
              "OPENCOTI_ALLOW_STALE_TREE=1 to build it anyway" >&2
         exit 1
     fi

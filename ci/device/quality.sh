@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 10's quality bar on the H200: passkey, fidelity and recall of the block selector on real prose
-# (Gemma 3 270M), through `opencoti-patch selector ...` with the harness built against the device's CUDA
+# (Gemma 3 270M), through `opencoti-patch lab selector ...` with the harness built against the device's CUDA
 # build (`ci/device/h200.sh start` makes it: $W/build, W=/tmp/ocw) and every layer offloaded (-ngl 99).
 #
 # Here (a developer machine with the model and the documentation):
@@ -14,7 +14,7 @@
 #                                          h200.sh's build), then the stages; reports in $QW/reports
 #   ci/device/quality.sh wait SECONDS      progress until done, a failed stage or SECONDS; results into $OUT
 #   ci/device/quality.sh status            the status file and the last lines of the running stage's log
-#   ci/device/quality.sh args [STAGES...]  what each stage runs (`opencoti-patch selector ...` arguments)
+#   ci/device/quality.sh args [STAGES...]  what each stage runs (`opencoti-patch lab selector ...` arguments)
 #   ci/device/quality.sh inputs            copy the carried prose bundle, wheels and package now; then
 #   ci/device/quality.sh fg [STAGES...]    in the foreground: wait for the model (receive), run as `run` does
 #                                          (h200.sh's `quality` stage: after the tests, before the benchmarks,
@@ -71,7 +71,7 @@ FID_TEXTS=${FID_TEXTS:-2}
 RECALL_TEXTS=${RECALL_TEXTS:-2}
 SCORES=${SCORES:-max,maxmean,maxmean-p4}            # the -scores stages: block scores side by side
 FIXED=${FIXED:-}                                     # the -scores and -fine stages: fixed budgets (tokens), e.g. 2048
-DEFAULT_SEED=1234                                    # the tools' own seed (opencoti-patch selector --seed)
+DEFAULT_SEED=1234                                    # the tools' own seed (opencoti-patch lab selector --seed)
 SEED=${SEED:-$DEFAULT_SEED}                          # another seed draws other prompts and texts: reports <stage>-seed<N>
 PER_DOC=${PER_DOC:-10}                               # passkey samples per filler text (10 texts per context)
 THREADS=${THREADS:-4}
@@ -138,7 +138,7 @@ pack() {
     split_model
     local py; py=$(local_python)
     mkdir -p "$CARRY/quality" "$CARRY/wheels/quality"
-    (cd "$ROOT" && opc "$py" selector prose-pack --out "$CARRY/quality/$PROSE_NAME") ||
+    (cd "$ROOT" && opc "$py" lab selector prose-pack --out "$CARRY/quality/$PROSE_NAME") ||
         die "prose-pack failed (Debian's python3-doc gives /usr/share/doc/python3/html)"
     if ! ls "$CARRY"/wheels/quality/gitpython-*.whl > /dev/null 2>&1; then
         "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -267,7 +267,7 @@ harness() {
     "$PY" -c "
 import sys
 from pathlib import Path
-from opencoti_patch.build.harness import build_harness
+from opencoti_patch.builds.harness import build_harness
 print(build_harness(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]),
                     targets=('opencoti-harness-batch', 'opencoti-qk-dump')))" "$SRC" "$BUILD/bin" "$QW/work/harness" &&
         if [ "$CUDA" = 1 ]; then # the harness must see the GPU: the CUDA backend in the build it links
@@ -278,7 +278,7 @@ print(build_harness(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]),
 selector() { # subcommand name args...
     local sub=$1 name=$2; shift 2
     [ "$SEED" = "$DEFAULT_SEED" ] || name=$name-seed$SEED
-    opc "$PY" selector "$sub" --build "$BUILD" --llama-src "$SRC" --model "$(model_path)" \
+    opc "$PY" lab selector "$sub" --build "$BUILD" --llama-src "$SRC" --model "$(model_path)" \
         --prose "$QW/$PROSE_NAME" --work-dir "$QW/work" --out-dir "$QW/reports" --name "quality-$name" \
         -t "$THREADS" --ngl "$NGL" "$@"
 }

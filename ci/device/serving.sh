@@ -2,7 +2,7 @@
 # The serving run of issue 11 on the device: llama-server with sparse attention on vs off, with its default slots
 # (4, unified KV: `--parallel 4 -kvu`, what a plain `llama-server` does) and with `--parallel 4 --no-kv-unified`;
 # 8K-32K prompts on the random 8B model, streamed and not, some streams cancelled. Checks per server (the load
-# driver's, opencoti_patch/quality/loadtest.py): 0 transport errors, 0 HTTP 5xx, valid JSON, attribution, server
+# driver's, opencoti_patch/lab/loadtest.py): 0 transport errors, 0 HTTP 5xx, valid JSON, attribution, server
 # RSS and GPU memory flat after warm-up, the server alive after the run; sparse vs dense tokens/s reported.
 #
 # Called by ci/device/h200.sh as its `serving` stage (BIN, M8B, LOG, SRC, BUILD, NGL from there), or alone:
@@ -45,7 +45,7 @@ for layout in $LAYOUTS; do
     mkdir -p "$LOG/serving-$layout"
     # the corpus is this repository's own text (the device has no prose corpus); a random-weight model does not copy
     # a marker back, so the echo check is off (the foreign-marker check still runs on every answer)
-    (cd "$ROOT" && python3 -m opencoti_patch.quality.loadtest --server "$BIN/llama-server" --model "$M8B" \
+    (cd "$ROOT" && python3 -m opencoti_patch.lab.loadtest --server "$BIN/llama-server" --model "$M8B" \
         --server-args="-ngl $NGL $kv" --parallel 4 --ctx "$CTX" --requests "$REQUESTS" --concurrency 8 \
         --shared-prefix-tokens "$PREFIX" --min-tokens "$MIN_TOKENS" --max-tokens "$MAX_TOKENS" \
         --n-predict "$NPREDICT" --isolated 2 --time-limit "$TIME_LIMIT" --min-marker-echo 0 \

@@ -48,6 +48,13 @@ def common_options(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+class OrderedGroup(click.Group):
+    """A command group whose help lists its commands in the order they were added (not by name)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
+
+
 def emit(data: Any, as_json: bool, text: str | None = None) -> None:
     """Print ``data`` as JSON (``--json``) or ``text`` for humans."""
     if as_json:

@@ -358,5 +358,5 @@ def prepare_cmd(settings: Settings, pin: str | None, from_file: Path | None, thr
     _apply_common(settings, three_way, False, False, as_json)
 
 
-COMMANDS = [fetch_cmd, backup_cmd, restore_cmd, apply_cmd, unapply_cmd, status_cmd, snapshot_cmd,
-            refresh_cmd, rebase_cmd, prepare_cmd]
+COMMANDS = [prepare_cmd, fetch_cmd, backup_cmd, apply_cmd, unapply_cmd, restore_cmd, status_cmd, snapshot_cmd,
+            refresh_cmd, rebase_cmd]

@@ -34,7 +34,7 @@ Checks (each one a named pass/fail in the report):
   select-all vs dense); their agreement under load is reported beside it.
 
 Standard library only; uses ``requests`` when it is installed, else ``http.client`` (the GPU hosts
-may lack ``requests``). Runnable without the rest of the CLI: ``python3 -m opencoti_patch.quality.loadtest``.
+may lack ``requests``). Runnable without the rest of the CLI: ``python3 -m opencoti_patch.lab.loadtest``.
 """
 
 from __future__ import annotations
@@ -1117,7 +1117,7 @@ def _jsonable(result: dict[str, Any], with_outcomes: bool) -> dict[str, Any]:
     return out
 
 
-def build_parser(prog: str = "python3 -m opencoti_patch.quality.loadtest") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python3 -m opencoti_patch.lab.loadtest") -> argparse.ArgumentParser:
     d = LoadConfig()
     p = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import click
 
-from ..config import Settings, write_report
-from ..errors import OpencotiError
-from ..quality import bench
-from ..stack.series import series_digest
-from .options import common_options
+from ...cli.options import common_options
+from ...config import Settings, write_report
+from ...errors import OpencotiError
+from ...stack.series import series_digest
+from .. import bench
 
 
 @click.group("bench")

@@ -1,10 +1,10 @@
 """Click commands ``selector recall|passkey|fidelity|served``: the block selector judged on real prose.
 
-Logic in :mod:`opencoti_patch.quality.recall` (attention mass kept, from Q/K dumps) and
-:mod:`opencoti_patch.quality.needle`
+Logic in :mod:`opencoti_patch.lab.recall` (attention mass kept, from Q/K dumps) and
+:mod:`opencoti_patch.lab.needle`
 (passkey and fidelity through the real decode path, every variant from one dense prefill). Results merge into
 one JSON + Markdown report (``<out-dir>/<name>.json|md``). ``served``
-(:mod:`opencoti_patch.quality.served`): the passkey set through llama-server, one request at a time vs several
+(:mod:`opencoti_patch.lab.served`): the passkey set through llama-server, one request at a time vs several
 at a time; its own report.
 """
 
@@ -27,15 +27,15 @@ import click
 import jinja2
 import numpy as np
 
-from ..build.harness import BATCH_EXE, build_harness
-from ..config import Settings, write_report
-from ..errors import OpencotiError
-from ..quality import needle, prose, recall, served
-from ..quality.evaluate import find_model, parse_samples_spec, parse_score
-from ..quality.loadtest import ServerConfig, default_transport
-from ..report import info, render
-from ..stack.upstream import sha256_file
-from .options import fraction_list, int_list
+from ...builds.harness import BATCH_EXE, build_harness
+from ...cli.options import fraction_list, int_list
+from ...config import Settings, write_report
+from ...errors import OpencotiError
+from ...report import info, render
+from ...stack.upstream import sha256_file
+from .. import needle, prose, recall, served
+from ..evaluate import find_model, parse_samples_spec, parse_score
+from ..loadtest import ServerConfig, default_transport
 
 DUMP_EXE = "opencoti-qk-dump"
 DEFAULT_PROSE = Path("/usr/share/doc/python3/html")  # Debian's python3-doc
@@ -297,7 +297,7 @@ def prose_pack_command(prose_dirs: tuple[Path, ...], out_file: Path) -> None:
                    "layers; the sliding-window layers are never sparse).")
 @click.option("--shares", default="0.25,0.125", show_default=True, help="Attended shares of the context.")
 @click.option("--scorers", default="minmax128,mid32-sum,mid16-sum,mean32-sum", show_default=True,
-              help="Scorers to compare (see opencoti_patch/quality/recall.py).")
+              help="Scorers to compare (see opencoti_patch/lab/recall.py).")
 @click.option("--scale", type=float, help="Softmax scale (default: 1/sqrt(head dim)).")
 @click.option("--q-last", type=int, default=256, show_default=True, help="Decode steps (queries) per text.")
 @click.option("--recent", "recent", default=str(needle.RECENT), show_default=True, help=_RECENT_HELP)
@@ -359,7 +359,7 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
 @click.option("--shares", default="0.25", show_default=True,
               help="Attended shares of the context (several: a table per context and share).")
 @click.option("--scorers", default="minmax128,mid32-sum,mean32,mean16,mean16-sum", show_default=True,
-              help="Scorers to compare (see opencoti_patch/quality/recall.py).")
+              help="Scorers to compare (see opencoti_patch/lab/recall.py).")
 @click.option("--recent", "recent", default=str(needle.RECENT), show_default=True,
               help="Recent window(s) as for `selector recall` (several: rows <selector>@r<window>).")
 def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,

@@ -1,5 +1,5 @@
-"""Click commands of the build side: rebuild, verify-identical, ci-workflow (logic in build.py,
-identical.py, ci.py)."""
+"""Click commands of the build side: rebuild and ci-workflow (logic in builds/builder.py,
+builds/workflow.py), verify-identical and check (verify/identical.py, verify/check.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from ..build.builder import (
+from ..builds.builder import (
     CPU_VARIANT_CHOICES,
     DEFAULT_CPU_VARIANT,
     LIB_TARGETS,
@@ -20,9 +20,7 @@ from ..build.builder import (
     have_gpu,
     rebuild,
 )
-from ..build.check import CHECK_CMAKE, check_series
-from ..build.identical import VerifyConfig, raise_on_failure, verify_identical
-from ..build.workflow import WORKFLOW_OUT, write_workflow
+from ..builds.workflow import WORKFLOW_OUT, write_workflow
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError, PatchFailed
 from ..report import info
@@ -30,6 +28,8 @@ from ..stack.gitrun import run_git
 from ..stack.series import load_series
 from ..stack.status import stale_against_series
 from ..stack.tree import Tree, tree_lock
+from ..verify.check import CHECK_CMAKE, check_series
+from ..verify.identical import VerifyConfig, raise_on_failure, verify_identical
 from .options import common_options, emit
 
 
@@ -309,4 +309,4 @@ def check_cmd(ctx: click.Context, settings: Settings, targets: tuple[str, ...], 
         raise CheckFailed(f"check: verify-identical: {data['verify']['error']}")
 
 
-COMMANDS = [rebuild_cmd, verify_identical_cmd, ci_workflow_cmd, check_cmd]
+COMMANDS = [check_cmd, rebuild_cmd, verify_identical_cmd, ci_workflow_cmd]

@@ -10,12 +10,12 @@ from typing import Any
 
 import click
 
-from ..build.harness import BATCH_EXE, build_harness
-from ..config import Settings
-from ..errors import OpencotiError
-from ..quality import evaluate as ev
-from ..report import info
-from .options import common_options, fraction_list, int_list
+from ...builds.harness import BATCH_EXE, build_harness
+from ...cli.options import common_options, fraction_list, int_list
+from ...config import Settings
+from ...errors import OpencotiError
+from ...report import info
+from .. import evaluate as ev
 
 
 def _shared(f: Any) -> Any:

@@ -1,7 +1,7 @@
 """Click command ``loadtest``: forwards its arguments to loadtest.py's own parser.
 
 loadtest.py keeps an argparse front end so that it also runs where click is not installed
-(``python3 -m opencoti_patch.quality.loadtest`` on a GPU host); this wrapper keeps one source of options.
+(``python3 -m opencoti_patch.lab.loadtest`` on a GPU host); this wrapper keeps one source of options.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from ..quality import loadtest
+from .. import loadtest
 
 
 @click.command(

@@ -39,15 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..config import write_report
-from ..errors import CheckFailed, OpencotiError
-from ..report import info, render
-from ..stack.apply import apply_to_folder
-from ..stack.series import diff_paths, read_series
-from ..stack.upstream import sha256_file
-from ..verdict import FAIL, Check, Verdict
-from ..verdict import verdict_of as shared_verdict_of
-from .builder import (
+from ..builds.builder import (
     LIB_TARGETS,
     BuildOptions,
     BuildResult,
@@ -58,7 +50,15 @@ from .builder import (
     export_tree,
     find_tool,
 )
-from .harness import SINGLE_EXE, build_harness
+from ..builds.harness import SINGLE_EXE, build_harness
+from ..config import write_report
+from ..errors import CheckFailed, OpencotiError
+from ..report import info, render
+from ..stack.apply import apply_to_folder
+from ..stack.series import diff_paths, read_series
+from ..stack.upstream import sha256_file
+from ..verdict import FAIL, Check, Verdict
+from ..verdict import verdict_of as shared_verdict_of
 
 VERIFY_STAMP = "opencoti-verify"  # the same build info in both builds, so it cannot be a difference
 

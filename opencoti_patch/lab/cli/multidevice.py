@@ -1,5 +1,5 @@
 """Click command ``multidevice rpc``: sparse attention with the layers split between a local device and a
-llama.cpp RPC server on loopback (logic in :mod:`opencoti_patch.quality.multidevice`)."""
+llama.cpp RPC server on loopback (logic in :mod:`opencoti_patch.lab.multidevice`)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import click
 
-from ..build.harness import SINGLE_EXE, build_harness
-from ..config import Settings, write_report
-from ..quality import multidevice
-from ..quality.evaluate import find_model
-from ..report import info, render
+from ...builds.harness import SINGLE_EXE, build_harness
+from ...config import Settings, write_report
+from ...report import info, render
+from .. import multidevice
+from ..evaluate import find_model
 from .selector import _command, machine_line
 
 

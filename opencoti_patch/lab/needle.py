@@ -6,11 +6,11 @@ each budget, the equal-size window), and each decodes. So all variants see the s
 and the same samples, and N variants cost one prefill.
 
 - **passkey**: a 5-digit key in a needle sentence (several wordings) inside real prose paragraphs
-  (:mod:`opencoti_patch.quality.prose`),
+  (:mod:`opencoti_patch.lab.prose`),
   at a uniform depth restricted to the blocks that sparse attention may drop
   (past the sink block, before the recent blocks), then a question (several frames); greedy answer.
 - **fidelity**: teacher-forced decode steps over real prose after a long prefill; KL(dense || variant) and
-  top-1 agreement per step (:func:`opencoti_patch.quality.evaluate.compare_logits`).
+  top-1 agreement per step (:func:`opencoti_patch.lab.evaluate.compare_logits`).
 
 Budgets are stated as **attended tokens** (sink + recent + top-k blocks): ``share`` of the context, or a fixed
 number of tokens.

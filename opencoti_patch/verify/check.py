@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..builds.builder import BuildOptions, configure_and_build, export_tree
 from ..errors import OpencotiError
 from ..markers.audit import audit
 from ..stack.apply import apply_to_folder
 from ..stack.series import Patch
-from .builder import BuildOptions, configure_and_build, export_tree
 
 MARKERS = "markers"
 OUTPUT_TAIL = 2000

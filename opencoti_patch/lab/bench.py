@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..build.builder import export_tree
+from ..builds.builder import export_tree
 
 # Folders of the pinned tree that a CUDA build of the tools does not need (NOTES: 176 MB -> 11 MB).
 SLIM_EXCLUDE = ("models", "docs", "benches", "media", "examples", ".git", "tools/ui/node_modules")

@@ -7,7 +7,7 @@ the same passkey set twice: **sequential** (one request in flight) and **concurr
 requests in flight, sent in groups that start together so that their decodes share ubatches). Greedy, a fixed
 number of generated tokens.
 
-The samples are :mod:`opencoti_patch.quality.needle`'s: a 5-digit key in a needle sentence inside real prose
+The samples are :mod:`opencoti_patch.lab.needle`'s: a 5-digit key in a needle sentence inside real prose
 paragraphs, at a depth past the sink block and before the recent blocks, then a question. The prompts are
 fitted to the context with the server's own tokenizer (``/tokenize``).
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..build.identical import parse_log_facts
 from ..errors import CheckFailed, OpencotiError
+from ..verify.identical import parse_log_facts
 from .evaluate import compare_logits
 
 VARIANTS = ("local-dense", "split-dense", "split-selectall", "split-sparse", "local-sparse")
