@@ -25,12 +25,13 @@ from typing import NoReturn
 import pytest
 
 from opencoti_patch.builds import builder as b
-from opencoti_patch.builds.harness import BATCH_EXE, SINGLE_EXE, build_harness
+from opencoti_patch.builds.harness import SINGLE_EXE, build_harness
 from opencoti_patch.config import Settings
 from opencoti_patch.errors import OpencotiError
 from opencoti_patch.lab import evaluate as ev
 from opencoti_patch.lab import loadtest
 from opencoti_patch.lab import multidevice as md
+from opencoti_patch.lab.batch import BATCH_EXE, build_lab_harness
 from opencoti_patch.stack.series import read_series
 from opencoti_patch.verify import identical as ident
 from opencoti_patch.verify import synth_gguf
@@ -300,8 +301,7 @@ def eval_harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     else:
         build: b.BuildResult = request.getfixturevalue("selfcheck")
         src, bin_dir = build.src, build.bin
-    out = build_harness(src, bin_dir, tmp_path_factory.mktemp("eval-harness"), targets=(BATCH_EXE,))
-    exe = out / BATCH_EXE
+    exe = build_lab_harness(src, bin_dir, tmp_path_factory.mktemp("eval-harness")) / BATCH_EXE
     return ev.Harness(exe=exe, model=model, threads=2, extra=("--swa-full",))
 
 

@@ -212,7 +212,12 @@ def test_one_harness_builder_configures_reproducibly(tmp_path: Path) -> None:
     assert "-G" in args and "Ninja" in args
     assert f"-DCMAKE_CXX_FLAGS=-ffile-prefix-map={tmp_path / 'src'}=." in args
     assert not any("LAUNCHER" in a for a in args)
-    assert (harness.SHIPPED_HARNESS / "opencoti-harness-batch.cpp").is_file()
+    assert (harness.SHIPPED_HARNESS / "opencoti-harness.cpp").is_file()
+    from opencoti_patch.lab.batch import LAB_HARNESS
+
+    lab = harness.harness_args(tmp_path / "src", tmp_path / "bin", tmp_path / "h", opts, LAB_HARNESS)
+    assert lab[lab.index("-S") + 1] == str(LAB_HARNESS)
+    assert (LAB_HARNESS / "opencoti-harness-batch.cpp").is_file()
 
 
 def test_eval_path_defaults_come_from_settings(tmp_path: Path) -> None:

@@ -171,6 +171,8 @@ def test_non_editable_install_runs_from_another_folder(tmp_path: Path) -> None:
     mk = subprocess.run([exe, "markers"], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert mk.returncode == 0 and "marked regions, 0 errors" in mk.stdout, mk.stdout + mk.stderr
     harness = subprocess.run([str(py), "-c", "from opencoti_patch.config import SHIPPED_HARNESS as h; "
-                              "print((h / 'CMakeLists.txt').is_file())"], cwd=elsewhere,
+                              "from opencoti_patch.lab.batch import LAB_HARNESS as lab; "
+                              "print(all(p.is_file() for p in (h / 'CMakeLists.txt', h / 'llama.cmake', "
+                              "lab / 'CMakeLists.txt', lab / 'opencoti-qk-dump.cpp')))"], cwd=elsewhere,
                              capture_output=True, text=True)
     assert harness.stdout.strip() == "True", harness.stderr

@@ -267,9 +267,8 @@ harness() {
     "$PY" -c "
 import sys
 from pathlib import Path
-from opencoti_patch.builds.harness import build_harness
-print(build_harness(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]),
-                    targets=('opencoti-harness-batch', 'opencoti-qk-dump')))" "$SRC" "$BUILD/bin" "$QW/work/harness" &&
+from opencoti_patch.lab.batch import BATCH_EXE, DUMP_EXE, build_lab_harness
+print(build_lab_harness(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), targets=(BATCH_EXE, DUMP_EXE)))" "$SRC" "$BUILD/bin" "$QW/work/harness" &&
         if [ "$CUDA" = 1 ]; then # the harness must see the GPU: the CUDA backend in the build it links
             ls "$BUILD"/bin/libggml-cuda.so* > /dev/null 2>&1 || { echo "no libggml-cuda in $BUILD/bin"; return 1; }
         fi

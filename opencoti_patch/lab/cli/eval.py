@@ -10,12 +10,12 @@ from typing import Any
 
 import click
 
-from ...builds.harness import BATCH_EXE, build_harness
 from ...cli.options import common_options, fraction_list, int_list
 from ...config import Settings
 from ...errors import OpencotiError
 from ...report import info
 from .. import evaluate as ev
+from ..batch import BATCH_EXE, build_lab_harness
 
 
 def _shared(f: Any) -> Any:
@@ -108,8 +108,7 @@ def _harness(o: dict[str, Any]) -> ev.Harness:
         if not (build / "bin").is_dir():
             raise OpencotiError(f"no llama.cpp build at {build} (build it, or pass --harness)")
         info(f"building {BATCH_EXE} against {build}/bin")
-        exe = build_harness(o["llama_src"], build / "bin", build / "opencoti-harness",
-                            targets=(BATCH_EXE,)) / BATCH_EXE
+        exe = build_lab_harness(o["llama_src"], build / "bin", build / "opencoti-harness") / BATCH_EXE
     # --swa-full: Gemma 3 is iSWA; a full-size SWA cache lets consecutive prompts keep their common prefix
     return ev.Harness(exe=exe, model=model, threads=o["threads"], log_dir=o["log_dir"],
                       cache_dir=o["cache_dir"], extra=("--swa-full",))

@@ -27,17 +27,16 @@ import click
 import jinja2
 import numpy as np
 
-from ...builds.harness import BATCH_EXE, build_harness
 from ...cli.options import fraction_list, int_list
 from ...config import Settings, write_report
 from ...errors import OpencotiError
 from ...report import info, render
 from ...stack.upstream import sha256_file
 from .. import needle, prose, recall, served
+from ..batch import BATCH_EXE, DUMP_EXE, build_lab_harness
 from ..evaluate import find_model, parse_samples_spec, parse_score
 from ..loadtest import ServerConfig, default_transport
 
-DUMP_EXE = "opencoti-qk-dump"
 DEFAULT_PROSE = Path("/usr/share/doc/python3/html")  # Debian's python3-doc
 
 
@@ -140,7 +139,7 @@ class _Env:
         info(f"prose: {len(self.paragraphs)} paragraphs, {n_chars // 1000} k characters")
 
     def exe(self, target: str) -> Path:
-        return build_harness(self.llama_src, self.bin, self.work / "harness", targets=(target,)) / target
+        return build_lab_harness(self.llama_src, self.bin, self.work / "harness", targets=(target,)) / target
 
     def qk_dump(self, base: Path, text: str, args: list[str], what: str) -> Path:
         """The Q/K dump of one dense prefill of ``text`` (opencoti-qk-dump ``args``, e.g. the layers): the
