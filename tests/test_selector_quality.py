@@ -132,11 +132,11 @@ def test_needle_kept_sees_the_needle_block_and_the_window_does_not() -> None:
 
 
 def test_report_command_hides_machine_paths() -> None:
-    from opencoti_patch.lab.cli.selector import _command
+    from opencoti_patch.lab.runinfo import command_line
 
-    cmd = _command(["selector", "needles", "--build", "/opt/me/b", "--samples", "4096:16", "--prose=/usr/x",
-                    "--layers", "5,11,17"])
-    assert cmd == ("opencoti-patch selector needles --build <build> --samples 4096:16 --prose=<docs-dir> "
+    cmd = command_line(["lab", "selector", "needles", "--build", "/opt/me/b", "--samples", "4096:16",
+                        "--prose=/usr/x", "--layers", "5,11,17"])
+    assert cmd == ("opencoti-patch lab selector needles --build <build> --samples 4096:16 --prose=<docs-dir> "
                    "--layers 5,11,17")
 
 
@@ -237,12 +237,12 @@ def test_passkey_samples_per_filler_text() -> None:
 def _cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], dict[str, object]]:
     """The selector CLI with a fake model, a small prose folder and no harness build: returns the base
     arguments and a dict where the faked runners record what they were given."""
-    from opencoti_patch.lab.cli import selector as sel
+    from opencoti_patch.lab import selector as sel
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.html").write_text("".join(f"<p>{i} {LONG}</p>" for i in range(200)))
-    monkeypatch.setattr(sel._Env, "exe", lambda self, target: tmp_path / target)
+    monkeypatch.setattr(sel.Workspace, "exe", lambda self, target: tmp_path / target)
     seen: dict[str, object] = {}
 
     def fake_passkey(*args: object, **kw: object) -> dict[str, object]:
@@ -351,7 +351,7 @@ def test_qk_dump_is_reused_only_for_the_same_text_and_arguments(tmp_path: Path,
     nothing."""
     import sys  # noqa: PLC0415
 
-    from opencoti_patch.lab.cli import selector  # noqa: PLC0415
+    from opencoti_patch.lab import selector  # noqa: PLC0415
 
     calls = tmp_path / "calls"
     fake = tmp_path / "fake-dump"
@@ -362,7 +362,7 @@ def test_qk_dump_is_reused_only_for_the_same_text_and_arguments(tmp_path: Path,
                     "np.save(out / 'tokens.npy', np.arange(3))\n"
                     f"open({str(calls)!r}, 'a').write('x')\n")
     fake.chmod(0o755)
-    env = object.__new__(selector._Env)
+    env = object.__new__(selector.Workspace)
     env.model = tmp_path / "m.gguf"
     monkeypatch.setattr(env, "exe", lambda target: fake, raising=False)
     base = tmp_path / "needle-c4096-000-1234"

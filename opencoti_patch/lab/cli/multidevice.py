@@ -14,7 +14,7 @@ from ...config import Settings, write_report
 from ...report import info, render
 from .. import multidevice
 from ..evaluate import find_model
-from .selector import _command, machine_line
+from ..runinfo import command_line, machine_line
 
 
 @click.group("multidevice")
@@ -75,7 +75,8 @@ def rpc_command(build_dir: Path, llama_src: Path | None, model: Path | None, spl
     result = multidevice.run_rpc_check(cfg)
     ngl_words = shlex.split(split_args)
     ngl = int(ngl_words[ngl_words.index("-ngl") + 1]) if "-ngl" in ngl_words[:-1] else 0
-    result |= {"command": _command(), "model": mdl.name, "machine": machine_line(ngl if server_device else 0)}
+    result |= {"command": command_line(), "model": mdl.name,
+               "machine": machine_line(ngl if server_device else 0)}
     for c in result["checks"]:
         info(f"  {'ok    ' if c['ok'] else 'FAILED'} {c['name']}: {c['detail']}")
     if out_dir:

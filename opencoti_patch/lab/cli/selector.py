@@ -1,43 +1,33 @@
-"""Click commands ``selector recall|passkey|fidelity|served``: the block selector judged on real prose.
+"""Click commands ``lab selector recall|needles|passkey|fidelity|served|report|prose-pack``: the block
+selector judged on real prose.
 
-Logic in :mod:`opencoti_patch.lab.recall` (attention mass kept, from Q/K dumps) and
-:mod:`opencoti_patch.lab.needle`
-(passkey and fidelity through the real decode path, every variant from one dense prefill). Results merge into
-one JSON + Markdown report (``<out-dir>/<name>.json|md``). ``served``
-(:mod:`opencoti_patch.lab.served`): the passkey set through llama-server, one request at a time vs several
-at a time; its own report.
+The logic is one layer down: :mod:`opencoti_patch.lab.selector` (the workspace, the recall and needle tables
+from Q/K dumps, the report every command merges its part into: ``<out-dir>/<name>.json|md``),
+:mod:`opencoti_patch.lab.needle` (passkey and fidelity through the real decode path, every variant from one
+dense prefill) and :mod:`opencoti_patch.lab.served` (the passkey set through llama-server, one request at a
+time vs several at a time; its own report).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
-import platform
 import shlex
-import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
-import jinja2
-import numpy as np
 
 from ...cli.options import fraction_list, int_list
 from ...config import Settings, write_report
 from ...errors import OpencotiError
 from ...report import info, render
-from ...stack.upstream import sha256_file
-from .. import needle, prose, recall, served
-from ..batch import BATCH_EXE, DUMP_EXE, build_lab_harness
-from ..evaluate import find_model, parse_samples_spec, parse_score
+from .. import needle, prose, recall, selector, served
+from ..batch import BATCH_EXE
+from ..evaluate import parse_samples_spec, parse_score
 from ..loadtest import ServerConfig, default_transport
-
-DEFAULT_PROSE = Path("/usr/share/doc/python3/html")  # Debian's python3-doc
+from ..runinfo import command_line
 
 
 def _pairs(text: str) -> dict[int, int]:
@@ -59,22 +49,9 @@ def _splits(text: str) -> list[recall.Split]:
     return out
 
 
-def _feasible(shares: list[float], n_ctx: int, splits: list[recall.Split],
-              block: int = needle.BLOCK) -> list[float]:
-    """The shares that leave at least one top-k block at this context with some split (the others are only
-    sink + recent)."""
-    out = []
-    for share in shares:
-        for split in splits:
-            try:
-                recall.budget_for(n_ctx, share, block, needle.SINK, split)
-            except OpencotiError:
-                continue
-            out.append(share)
-            break
-    if not out:
-        raise click.ClickException(f"no share in {shares} leaves a top-k block at context {n_ctx}")
-    return out
+def _scorers(text: str) -> list[recall.Scorer]:
+    """``--scorers``: ``"minmax128,mean16"`` -> the scorers of :mod:`opencoti_patch.lab.recall`."""
+    return [recall.parse_scorer(s) for s in text.split(",") if s.strip()]
 
 
 _RECENT_HELP = ("Recent window(s): tokens (512) or a share of the attended tokens (25%), comma-separated; "
@@ -106,7 +83,7 @@ def _with_options(f: Any, default_name: str) -> Any:
                      help="Report base name: <out-dir>/<name>.json and .md (each command merges its part)."),
         click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
                      help="Scratch (Q/K dumps, logs; default: <work>/selector)."),
-        click.option("--ngl", type=int, default=0, show_default=True,
+        click.option("--ngl", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Layers offloaded to the GPU by the harness (-ngl; 99: all, on a CUDA build)."),
         click.option("--harness-arg", "harness_args", multiple=True,
                      help="A further llama.cpp flag for opencoti-harness-batch, passed as is (repeatable; "
@@ -119,116 +96,15 @@ def _with_options(f: Any, default_name: str) -> Any:
 _common = _options("quality-selector")
 
 
-class _Env:
-    def __init__(self, build_dir: Path, llama_src: Path | None, model: Path | None,
-                 prose_dirs: tuple[Path, ...], work_dir: Path | None, ngl: int = 0,
-                 harness_args: tuple[str, ...] = ()) -> None:
-        settings = Settings.resolve()
-        if ngl < 0:
-            raise click.BadParameter("need a layer count >= 0", param_hint="--ngl")
-        self.offload = needle.Offload(ngl, tuple(harness_args))
-        self.llama_src = (llama_src or settings.tree).resolve()
-        self.bin = (build_dir / "bin").resolve()
-        self.model = find_model(model)
-        self.prose_dirs = list(prose_dirs) or [DEFAULT_PROSE]
-        self.work = (work_dir or settings.work_dir / "selector").resolve()
-        self.work.mkdir(parents=True, exist_ok=True)
-        info(f"prose: reading {', '.join(map(str, self.prose_dirs))}")
-        self.paragraphs = prose.load_corpus(self.prose_dirs)
-        n_chars = sum(map(len, self.paragraphs))
-        info(f"prose: {len(self.paragraphs)} paragraphs, {n_chars // 1000} k characters")
-
-    def exe(self, target: str) -> Path:
-        return build_lab_harness(self.llama_src, self.bin, self.work / "harness", targets=(target,)) / target
-
-    def qk_dump(self, base: Path, text: str, args: list[str], what: str) -> Path:
-        """The Q/K dump of one dense prefill of ``text`` (opencoti-qk-dump ``args``, e.g. the layers): the
-        folder ``<base>-<hash>``, named by a hash of the text, model and arguments (kept in its
-        ``key.json``), reused when an earlier run left it complete, else made anew. A run that draws other
-        texts under the same sample names (another sample count, other prose, other contexts before it)
-        gets folders of its own and leaves the earlier run's dumps in place for when it is run again."""
-        key = {"text_sha256": hashlib.sha256(text.encode()).hexdigest(), "model": self.model.name,
-               "args": args}
-        key_text = json.dumps(key, sort_keys=True)
-        dump = base.with_name(f"{base.name}-{hashlib.sha256(key_text.encode()).hexdigest()[:12]}")
-        key_file = dump / "key.json"
-        if (dump / "tokens.npy").is_file() and key_file.is_file() and json.loads(key_file.read_text()) == key:
-            return dump
-        shutil.rmtree(dump, ignore_errors=True)  # an interrupted dump (no key.json yet)
-        dump.mkdir(parents=True)
-        (dump / "text.txt").write_text(text)
-        info(what)
-        exe = self.exe(DUMP_EXE)
-        cmd = [str(exe), "-m", str(self.model), "-f", str(dump / "text.txt"), *args, "-o", str(dump)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise click.ClickException(f"{exe.name} failed: {proc.stderr.strip().splitlines()[-1:]}")
-        key_file.write_text(json.dumps(key))
-        return dump
-
-    def meta(self, splits: list[recall.Split] | None = None) -> dict[str, Any]:
-        recent: int | str = needle.RECENT
-        if splits and (len(splits) > 1 or splits[0].of_budget or splits[0].tokens != needle.RECENT):
-            recent = " / ".join(s.name.removeprefix("r") for s in splits)
-        return {"model": self.model.name, "prose": ", ".join(p.name for p in self.prose_dirs),
-                "prose_sha256": {p.name: sha256_file(p) for p in self.prose_dirs if p.is_file()},
-                "machine": machine_line(self.offload.ngl), "ngl": self.offload.ngl,
-                "harness_args": list(self.offload.extra), "block": needle.BLOCK, "sink": needle.SINK,
-                "recent": recent}
-
-
-def machine_line(ngl: int) -> str:
-    """What ran the model, for the report: the CPU, or the GPU(s) ``nvidia-smi -L`` names when layers are
-    offloaded (a report of a GPU run must not read as a CPU run)."""
-    cpu = f"{platform.machine()} CPU, {platform.system()}"
-    if ngl <= 0:
-        return cpu
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
-    gpus = sorted({line.strip() for line in out.splitlines() if line.strip()})
-    return f"{', '.join(gpus) or 'GPU'} (-ngl {ngl}) on {cpu}"
-
-
-# path options shown as placeholders in reports: the paths of the machine a report was made on mean nothing to
-# its reader
-_PATH_OPTIONS = {"--build": "<build>", "--llama-src": "<tree>", "--model": "<model.gguf>",
-                 "--work-dir": "<scratch>", "--prose": "<docs-dir>", "--out-dir": "<out-dir>"}
-
-
-def _command(argv: list[str] | None = None) -> str:
-    """The command line of this run for the report, with its path options as placeholders."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    out: list[str] = []
-    for i, a in enumerate(args):
-        name, eq, _ = a.partition("=")
-        if eq and name in _PATH_OPTIONS:
-            out.append(f"{name}={_PATH_OPTIONS[name]}")
-        elif i > 0 and args[i - 1] in _PATH_OPTIONS:
-            out.append(_PATH_OPTIONS[args[i - 1]])
-        else:
-            out.append(shlex.quote(a))
-    return "opencoti-patch " + " ".join(out)
+def _workspace(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
+               work_dir: Path | None, ngl: int = 0, harness_args: tuple[str, ...] = ()) -> selector.Workspace:
+    return selector.Workspace.open(build_dir, llama_src, model, prose_dirs, work_dir,
+                                   needle.Offload(ngl, tuple(harness_args)))
 
 
 def _save(out_dir: Path, name: str, part: str, data: dict[str, Any], meta: dict[str, Any]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{name}.json"
-    merged = json.loads(path.read_text()) if path.is_file() else {}
-    merged |= meta
-    merged[part] = data
-    write_report(path, json.dumps(merged, indent=1, sort_keys=True) + "\n")
-    _write_markdown(path.with_suffix(".md"), merged)
+    path = selector.save_part(out_dir, name, part, data, meta)
     info(f"wrote {path} and {path.with_suffix('.md')}")
-
-
-def _write_markdown(path: Path, data: dict[str, Any]) -> None:
-    """The report of one JSON result (every part it holds: recall, needles, passkey, fidelity)."""
-    context = {"recall": None, "passkey": None, "fidelity": None, "needles": None, **data}
-    write_report(path, render(Settings.resolve().templates_dirs, "quality-selector.md.j2", **context))
 
 
 @click.group("selector")
@@ -246,25 +122,10 @@ def report_command(results: tuple[Path, ...]) -> None:
     changed."""
     for path in results:
         try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise click.BadParameter(f"{path}: not a readable JSON result ({e})",
-                                     param_hint="RESULTS") from None
-        parts = ("recall", "needles", "passkey", "fidelity")
-        if not isinstance(data, dict) or not any(k in data for k in parts):
-            raise click.BadParameter(f"{path}: no recall, needles, passkey or fidelity result in it",
-                                     param_hint="RESULTS")
-        try:
-            if data.get("passkey"):
-                needle.reorder_variants(data["passkey"], data.get("blocks") or [needle.BLOCK],
-                                        data.get("scores") or ["max"])
-                needle.annotate_paired(data["passkey"])
-            _write_markdown(path.with_suffix(".md"), data)
-        except (KeyError, TypeError, ValueError, AttributeError, jinja2.UndefinedError) as e:
-            why = f"{type(e).__name__}: {e}"
-            raise click.BadParameter(f"{path}: not a result this version can report ({why})",
-                                     param_hint="RESULTS") from None
-        info(f"wrote {path.with_suffix('.md')}")
+            md = selector.rerender(path)
+        except OpencotiError as e:
+            raise click.BadParameter(e.message, param_hint="RESULTS") from None
+        info(f"wrote {md}")
 
 
 @selector_group.command("prose-pack")
@@ -281,7 +142,7 @@ def prose_pack_command(prose_dirs: tuple[Path, ...], out_file: Path) -> None:
     """
     if not out_file.name.lower().endswith(prose.BUNDLE_SUFFIXES):
         raise click.BadParameter(f"a bundle ends in {' or '.join(prose.BUNDLE_SUFFIXES)}", param_hint="--out")
-    paragraphs = prose.load_corpus(list(prose_dirs) or [DEFAULT_PROSE])
+    paragraphs = prose.load_corpus(list(prose_dirs) or [selector.DEFAULT_PROSE])
     digest = prose.write_bundle(paragraphs, out_file)
     click.echo(f"{out_file}: {len(paragraphs)} paragraphs, {sum(map(len, paragraphs))} characters, "
                f"{out_file.stat().st_size} bytes, sha256 {digest}")
@@ -309,45 +170,17 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
                    layers: str, shares: str, scorers: str, scale: float | None, q_last: int,
                    recent: str, block: int) -> None:
     """Share of the dense attention mass each scorer's selection keeps, vs the oracle and the window."""
-    import random  # noqa: PLC0415
-
     if block <= 0 or needle.SINK % block:
         raise click.BadParameter(f"need a positive divisor of the {needle.SINK}-token sink",
                                  param_hint="--block")
-
     t0 = time.monotonic()
-    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
-    layer_ids = int_list(layers)
-    share_list = fraction_list(shares)
-    scorer_list = [recall.parse_scorer(s) for s in scorers.split(",") if s.strip()]
+    ws = _workspace(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
     split_list = _splits(recent)
-    multi = split_list if len(split_list) > 1 else []
-    rng = random.Random(seed)
-    table: dict[str, Any] = {}
-    n_texts: dict[str, int] = {}
-    for n_ctx, count in _pairs(texts).items():
-        per_layer: dict[str, Any] = {}
-        for i in range(count):
-            text = prose.take_text(env.paragraphs, rng.randrange(len(env.paragraphs)), int(n_ctx * 5.5))
-            dump = env.qk_dump(env.work / f"qk-{n_ctx}-{seed}-{i}", text,
-                               ["--layers", layers, "--q-last", str(q_last), "--max-tokens", str(n_ctx),
-                                "-t", str(threads), "-ngl", str(ngl)],
-                               f"recall {n_ctx}: dense prefill of text {i + 1}/{count}")
-            for layer in layer_ids:
-                q, k = recall.load_dump(dump, layer)
-                if k.shape[0] != n_ctx:
-                    raise click.ClickException(f"{dump}: the text gave {k.shape[0]} tokens, {n_ctx} needed")
-                sc = scale if scale is not None else 1.0 / math.sqrt(k.shape[2])
-                per_layer[f"{i}/{layer}"] = recall.layer_recall(
-                    q, k, scale=sc, block=block, shares=_feasible(share_list, n_ctx, split_list, block),
-                    scorers=scorer_list, sink=needle.SINK, recent=split_list[0], splits=multi)
-        table[str(n_ctx)] = recall.aggregate(per_layer)
-        n_texts[str(n_ctx)] = count
-        info(f"recall {n_ctx}: done")
-    data = {"command": _command(), "layers": layer_ids, "q_last": q_last, "table": table, "texts": n_texts,
-            "scorers": [s.name for s in scorer_list], "splits": [s.name for s in multi],
-            "seconds": time.monotonic() - t0}
-    _save(out_dir, name, "recall", data, env.meta(split_list) | {"block": block})
+    data = selector.recall_table(ws, texts=_pairs(texts), layers=int_list(layers),
+                                 shares=fraction_list(shares), scorers=_scorers(scorers), splits=split_list,
+                                 block=block, q_last=q_last, scale=scale, seed=seed, threads=threads)
+    _save(out_dir, name, "recall", {"command": command_line(), **data, "seconds": time.monotonic() - t0},
+          ws.meta(split_list) | {"block": block})
 
 
 @selector_group.command("needles")
@@ -371,73 +204,14 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
     dense prefill each through opencoti-qk-dump; for the last 7 queries (the answer frame and digits), every
     sparse layer: is a block holding the key digits among the kept ones. Needs the gguf package.
     """
-
-    try:
-        from gguf import GGUFReader  # noqa: PLC0415
-    except ImportError as exc:
-        raise click.ClickException("`selector needles` needs the gguf package (pip install gguf)") from exc
-
     t0 = time.monotonic()
-    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
-    field = GGUFReader(str(env.model)).fields["tokenizer.ggml.tokens"]
-    vocab = [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
-    digit = {t: i for i, t in enumerate(vocab) if len(t) == 1 and t.isdigit()}
-    layer_ids = int_list(layers)
-    share_list = fraction_list(shares)
-    scorer_list = [recall.parse_scorer(s) for s in scorers.split(",") if s.strip()]
+    ws = _workspace(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
     split_list = _splits(recent)
-    table: dict[str, Any] = {}
-    for n_ctx, count in _pairs(samples).items():
-        hits: dict[float, dict[str, dict[str, list[float]]]] = {share: {} for share in share_list}
-        for smp in needle.make_samples(seed, n_ctx, count, len(env.paragraphs), per_doc=1):
-            prompt = smp.prompt(env.paragraphs, int((n_ctx - 168) * 3.8))  # ~4 characters a token
-            dump = env.qk_dump(env.work / f"needle-{smp.sid}-{seed}", prompt + " " + smp.key + ".",
-                               ["--layers", layers, "--q-last", "12", "-t", str(threads), "-ngl", str(ngl)],
-                               f"needles {n_ctx}: dense prefill of {smp.sid}")
-            tokens = [int(t) for t in np.load(dump / "tokens.npy")]
-            key = [digit[c] for c in smp.key]
-            at = next((i for i in range(len(tokens) - 20) if tokens[i:i + len(key)] == key), None)
-            if at is None:
-                raise click.ClickException(f"{smp.sid}: the key's digits are not in the prompt's tokens")
-            blocks = {at // needle.BLOCK, (at + len(key) - 1) // needle.BLOCK}
-            positions = np.arange(len(tokens) - 7, len(tokens))
-            budgets: list[tuple[float, str, recall.Budget]] = []
-            for share in share_list:
-                for split in split_list:  # a split that leaves no top-k block is left out
-                    try:
-                        bud = recall.budget_for(len(tokens), share, needle.BLOCK, needle.SINK, split)
-                    except OpencotiError:
-                        continue
-                    budgets.append((share, f"@{split.name}" if len(split_list) > 1 else "", bud))
-            for layer in layer_ids:
-                q, k = recall.load_dump(dump, layer)
-                sc = 1.0 / math.sqrt(k.shape[2])
-                gqa = q.shape[1] // k.shape[1]
-                for h in range(k.shape[1]):
-                    windowed: set[float] = set()  # the window is the same for every split of a share
-                    for share, sfx, bud in budgets:
-                        res = recall.needle_kept(q[-7:, h * gqa:(h + 1) * gqa], k[:, h], positions,
-                                                 blocks, scale=sc, block=needle.BLOCK, budget=bud,
-                                                 scorers=scorer_list)
-                        for sname, v in res.items():
-                            if sname == "window" and share in windowed:
-                                continue
-                            row = sname if sname == "window" else sname + sfx
-                            hits[share].setdefault(row, {}).setdefault(str(layer), []).append(
-                                float(sum(v)) / len(v))
-                        windowed.add(share)
-        for share in share_list:  # one table per context (and per share, when several)
-            if hits[share]:
-                table[str(n_ctx) if len(share_list) == 1 else f"{n_ctx}:{share:g}"] = {
-                    sname: {"all": float(np.mean([v for x in per.values() for v in x])),
-                            **{f"layer {lay}": float(np.mean(x)) for lay, x in per.items()}}
-                    for sname, per in hits[share].items()}
-        info(f"needles {n_ctx}: done")
-    data = {"command": _command(), "layers": layer_ids,
-            "samples": {str(c): n for c, n in _pairs(samples).items()},  # keyed as the tables (and the JSON)
-            "share": share_list[0], "shares": share_list, "table": table,
-            "splits": [s.name for s in split_list if len(split_list) > 1], "seconds": time.monotonic() - t0}
-    _save(out_dir, name, "needles", data, env.meta(split_list))
+    data = selector.needle_table(ws, samples=_pairs(samples), layers=int_list(layers),
+                                 shares=fraction_list(shares), scorers=_scorers(scorers), splits=split_list,
+                                 seed=seed, threads=threads)
+    _save(out_dir, name, "needles", {"command": command_line(), **data, "seconds": time.monotonic() - t0},
+          ws.meta(split_list))
 
 
 _blocks_option = click.option(
@@ -485,13 +259,13 @@ def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                     harness_args: tuple[str, ...], samples: str, shares: str, fixed: str,
                     per_doc: int, blocks: list[int], scores: list[str]) -> None:
     """Passkey retrieval in real prose, dense and sparse (each budget) and the window, same samples."""
-    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
-    res = needle.run_passkey(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=_pairs(samples),
+    ws = _workspace(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
+    res = needle.run_passkey(ws.exe(BATCH_EXE), ws.model, ws.paragraphs, contexts=_pairs(samples),
                              shares=fraction_list(shares), fixed_tokens=int_list(fixed), seed=seed,
-                             threads=threads, log_dir=env.work / "logs", progress=info, per_doc=per_doc,
-                             offload=env.offload, blocks=blocks, scores=scores)
-    _save(out_dir, name, "passkey", {"command": _command(), "n_generate": 8, **res},
-          env.meta() | {"blocks": blocks, "scores": scores})
+                             threads=threads, log_dir=ws.work / "logs", progress=info, per_doc=per_doc,
+                             offload=ws.offload, blocks=blocks, scores=scores)
+    _save(out_dir, name, "passkey", {"command": command_line(), "n_generate": 8, **res},
+          ws.meta() | {"blocks": blocks, "scores": scores})
 
 
 @selector_group.command("fidelity")
@@ -510,13 +284,13 @@ def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None
                      steps: int, n_texts: int, shares: str, fixed: str, blocks: list[int],
                      scores: list[str]) -> None:
     """KL(dense || sparse) and top-1 agreement over teacher-forced decode steps of real prose."""
-    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
-    res = needle.run_fidelity(env.exe(BATCH_EXE), env.model, env.paragraphs, contexts=int_list(contexts),
+    ws = _workspace(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
+    res = needle.run_fidelity(ws.exe(BATCH_EXE), ws.model, ws.paragraphs, contexts=int_list(contexts),
                               shares=fraction_list(shares), fixed_tokens=int_list(fixed), steps=steps,
-                              seed=seed, threads=threads, log_dir=env.work / "logs", samples=n_texts,
-                              offload=env.offload, blocks=blocks, scores=scores)
-    _save(out_dir, name, "fidelity", {"command": _command(), **res},
-          env.meta() | {"blocks": blocks, "scores": scores})
+                              seed=seed, threads=threads, log_dir=ws.work / "logs", samples=n_texts,
+                              offload=ws.offload, blocks=blocks, scores=scores)
+    _save(out_dir, name, "fidelity", {"command": command_line(), **res},
+          ws.meta() | {"blocks": blocks, "scores": scores})
 
 
 @selector_group.command("served")
@@ -548,17 +322,17 @@ def served_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
     if harness_args:
         raise click.BadParameter("served runs llama-server, not the harness: put its flags in --server-args",
                                  param_hint="--harness-arg")
-    env = _Env(build_dir, llama_src, model, prose_dirs, work_dir, ngl)
+    ws = _workspace(build_dir, llama_src, model, prose_dirs, work_dir, ngl)
     args = shlex.split(server_args) + (["-ngl", str(ngl)] if ngl else [])
-    server = ServerConfig(binary=env.bin / "llama-server", model=env.model, args=args,
+    server = ServerConfig(binary=ws.bin / "llama-server", model=ws.model, args=args,
                           parallel=parallel, ctx=parallel * n_ctx, threads=threads)
     if not server.binary.is_file():
-        raise click.ClickException(f"{server.binary} not found: build the llama-server target of that build")
+        raise OpencotiError(f"{server.binary} not found: build the llama-server target of that build")
     variants = served.default_variants(n_ctx, share)
-    res = served.run(server, variants, env.paragraphs, default_transport(), n_ctx=n_ctx, count=count,
+    res = served.run(server, variants, ws.paragraphs, default_transport(), n_ctx=n_ctx, count=count,
                      seed=seed, n_predict=n_predict, concurrency=parallel, tolerance=tolerance,
-                     log_dir=env.work / "served", cache_prompt=cache_prompt, progress=info)
-    data = {"command": _command(), **env.meta(), **served.public(res, server)}
+                     log_dir=ws.work / "served", cache_prompt=cache_prompt, progress=info)
+    data = {"command": command_line(), **ws.meta(), **served.public(res, server)}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_report(out_dir / f"{name}.json", json.dumps(data, indent=1, sort_keys=True) + "\n")
     md = render(Settings.resolve().templates_dirs, "serving-passkey.md.j2", **data)
