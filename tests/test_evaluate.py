@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from opencoti_patch.errors import CheckFailed, OpencotiError
+from opencoti_patch.lab import batch, logits, variants
 from opencoti_patch.lab import evaluate as ev
 
 FIT = ev.TokenFit(base=40, per_filler=25.0, header=20)
@@ -95,31 +96,31 @@ def test_parse_answer(text: str, want: str | None) -> None:
 
 
 def test_budget_config_exclusive_and_inclusive() -> None:
-    c = ev.budget_config(2048, 0.25)
+    c = variants.budget_config(2048, 0.25)
     assert (c.topk, c.sink_blocks, c.recent_blocks) == (4, 1, 3)  # mirrors llama_sparse_attn_params
     assert c.attended_blocks(2048) == 8 and c.describe(2048)["attended_fraction"] == 0.5
     assert c.name == "sparse-25%" and c.fraction == 0.25
-    assert ev.budget_config(8192, 0.5).topk == 32
-    assert ev.budget_config(8192, 0.25, accounting="inclusive").topk == 16 - 4
+    assert variants.budget_config(8192, 0.5).topk == 32
+    assert variants.budget_config(8192, 0.25, accounting="inclusive").topk == 16 - 4
     with pytest.raises(OpencotiError):
-        ev.budget_config(2048, 0.25, accounting="inclusive")  # 4 blocks - sink - recent = 0
+        variants.budget_config(2048, 0.25, accounting="inclusive")  # 4 blocks - sink - recent = 0
     args = c.args()
     assert args[:2] == ["--sparse-attn", "on"]
     assert args[args.index("--sparse-attn-topk") + 1] == "4"
     assert args[args.index("--sparse-attn-min-ctx") + 1] == "1"
-    assert ev.DENSE.args() == [] and ev.DENSE.attended_blocks(2048) == 16
+    assert variants.DENSE.args() == [] and variants.DENSE.attended_blocks(2048) == 16
 
 
 def test_select_all_covers_every_block() -> None:
-    c = ev.select_all_config(8192)
+    c = variants.select_all_config(8192)
     assert c.topk == 64 and c.min_ctx == 1 and c.attended_blocks(8192) == 64
     assert c.topk + c.sink_blocks + c.recent_blocks >= 64  # the select op's select-all rule
 
 
 def test_window_baseline_attends_as_many_blocks_by_recency() -> None:
     for n_ctx, f in ((8192, 0.5), (8192, 0.25), (2048, 0.25)):
-        b = ev.budget_config(n_ctx, f)
-        w = ev.window_config(b, n_ctx)
+        b = variants.budget_config(n_ctx, f)
+        w = variants.window_config(b, n_ctx)
         assert w.topk == 0 and w.sink == b.sink and w.name == f"window-{f * 100:g}%"
         assert w.attended_blocks(n_ctx) == b.attended_blocks(n_ctx)
         assert w.recent_blocks == b.attended_blocks(n_ctx) - b.sink_blocks
@@ -132,8 +133,8 @@ def test_window_baseline_attends_as_many_blocks_by_recency() -> None:
 def test_kl_is_zero_for_equal_logits_and_shift_invariant() -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, 1000)).astype(np.float32)
-    assert np.all(ev.kl_divergence(x, x) == 0.0)
-    assert np.allclose(ev.kl_divergence(x, x + 5.0), 0.0, atol=1e-12)
+    assert np.all(logits.kl_divergence(x, x) == 0.0)
+    assert np.allclose(logits.kl_divergence(x, x + 5.0), 0.0, atol=1e-12)
 
 
 def test_kl_matches_the_definition() -> None:
@@ -142,13 +143,13 @@ def test_kl_matches_the_definition() -> None:
     pp = np.exp(p) / np.exp(p).sum()
     qq = np.exp(q) / np.exp(q).sum()
     want = float((pp * np.log(pp / qq)).sum())
-    assert ev.kl_divergence(p, q)[0] == pytest.approx(want, rel=1e-12)
-    assert ev.kl_divergence(p, q)[0] > 0
-    assert list(ev.top1(np.array([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]]))) == [1, 0]
+    assert logits.kl_divergence(p, q)[0] == pytest.approx(want, rel=1e-12)
+    assert logits.kl_divergence(p, q)[0] > 0
+    assert list(logits.top1(np.array([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]]))) == [1, 0]
 
 
 def test_log_softmax_is_stable_for_large_logits() -> None:
-    ls = ev.log_softmax(np.array([[1e4, 0.0, -1e4]], dtype=np.float32))
+    ls = logits.log_softmax(np.array([[1e4, 0.0, -1e4]], dtype=np.float32))
     assert np.isfinite(ls).all() and ls[0, 0] == pytest.approx(0.0)
 
 
@@ -167,19 +168,19 @@ def test_compare_logits_files(tmp_path: Path) -> None:
     c = _dump(tmp_path / "c.f32", noisy)
     targets = list(rng.integers(0, n_vocab, size=steps))
 
-    m = ev.compare_logits(a, same, n_vocab, targets)
+    m = logits.compare_logits(a, same, n_vocab, targets)
     assert m["identical"] and m["kl_max"] == 0.0 and m["top1_agreement"] == 1.0 and m["steps"] == steps
     assert m["nll"] == m["nll_ref"]
 
-    m = ev.compare_logits(a, c, n_vocab, targets)
+    m = logits.compare_logits(a, c, n_vocab, targets)
     assert not m["identical"] and m["kl_mean"] > 0 and m["kl_max"] >= m["kl_p95"] >= m["kl_median"]
     want_agree = float(np.mean(dense.argmax(1) == noisy.argmax(1)))
     assert m["top1_agreement"] == pytest.approx(want_agree)
-    want_kl = ev.kl_divergence(dense, noisy).mean()
+    want_kl = logits.kl_divergence(dense, noisy).mean()
     assert m["kl_mean"] == pytest.approx(want_kl, rel=1e-9)
 
     with pytest.raises(OpencotiError):
-        ev.compare_logits(a, _dump(tmp_path / "bad.f32", np.zeros(10)), n_vocab)
+        logits.compare_logits(a, _dump(tmp_path / "bad.f32", np.zeros(10)), n_vocab)
 
 
 def test_check_select_all_is_a_hard_failure() -> None:
@@ -199,6 +200,10 @@ def _fake_passkey(dense_wrong: int, sparse_wrong: int, window_right: bool = Fals
     """10 samples (5 per context, depths 0/25/50/75/100%); the window baseline finds only the needles in
     its recent blocks (depth 100%), unless ``window_right``."""
     samples = ev.passkey_samples(3, {2048: 5, 4096: 5}, FIT)
+
+    def window(n: int) -> variants.AttnConfig:
+        return variants.window_config(variants.budget_config(n, 0.5), n)
+
     names = ("dense", "sparse-50%", "sparse-25%", "window-50%")
     answers: dict[str, dict[str, str | None]] = {n: {} for n in names}
     for i, s in enumerate(samples):
@@ -206,13 +211,12 @@ def _fake_passkey(dense_wrong: int, sparse_wrong: int, window_right: bool = Fals
         answers["sparse-50%"][s.sid] = None if i < sparse_wrong else s.key
         answers["sparse-25%"][s.sid] = "1" if i % 2 else s.key
         answers["window-50%"][s.sid] = s.key if window_right or s.depth == 1.0 else "2"
-    by_ctx = {f: {n: ev.budget_config(n, f).describe(n) for n in (2048, 4096)} for f in (0.25, 0.5)}
+    by_ctx = {f: {n: variants.budget_config(n, f).describe(n) for n in (2048, 4096)} for f in (0.25, 0.5)}
     configs = {"dense": {"sparse": False, "fraction": None, "by_ctx": {}},
                "sparse-25%": {"sparse": True, "fraction": 0.25, "by_ctx": by_ctx[0.25]},
                "sparse-50%": {"sparse": True, "fraction": 0.5, "by_ctx": by_ctx[0.5]},
                "window-50%": {"sparse": True, "fraction": 0.5, "window": True,
-                              "by_ctx": {n: ev.window_config(ev.budget_config(n, 0.5), n).describe(n)
-                                         for n in (2048, 4096)}}}
+                              "by_ctx": {n: window(n).describe(n) for n in (2048, 4096)}}}
     n_tokens = {s.sid: round(FIT.base + FIT.per_filler * s.n_filler) for s in samples}
     return samples, answers, configs, n_tokens
 
@@ -274,7 +278,7 @@ def test_passkey_gate_fails_when_every_needle_is_always_attended() -> None:
 
 
 def test_needle_in_kept_blocks() -> None:
-    cfg = ev.budget_config(4096, 0.5).describe(4096)  # sink 1 block, recent 3 blocks of 128
+    cfg = variants.budget_config(4096, 0.5).describe(4096)  # sink 1 block, recent 3 blocks of 128
     assert ev.needle_in_kept_blocks(100, 4000, cfg)  # sink
     assert not ev.needle_in_kept_blocks(2000, 4000, cfg)
     recent_start = ((4000 - 1) // 128 - 3 + 1) * 128
@@ -283,8 +287,8 @@ def test_needle_in_kept_blocks() -> None:
 
 
 def _fid_run(n_ctx: int, name: str, kl: float, nll: float) -> dict[str, Any]:
-    budget = ev.budget_config(n_ctx, 0.5)
-    cfg = ev.window_config(budget, n_ctx) if name.startswith("window") else budget
+    budget = variants.budget_config(n_ctx, 0.5)
+    cfg = variants.window_config(budget, n_ctx) if name.startswith("window") else budget
     return {"n_ctx": n_ctx, "config": name, "kl_mean": kl, "nll": nll, "nll_ref": 2.0,
             "cfg": cfg.describe(n_ctx)}
 
@@ -316,7 +320,8 @@ def test_report_renders_and_json_roundtrips(tmp_path: Path) -> None:
                "select_nodes_per_step": {"dense": [0.0], "sparse-50%": [3.0]}, "seconds": 12.0}
     run = {"n_ctx": 8192, "n_prefill": 7872, "config": "select-all", "steps": 256, "kl_mean": 0.0,
            "kl_median": 0.0, "kl_p95": 0.0, "kl_max": 0.0, "top1_agreement": 1.0, "top1_disagreements": 0,
-           "identical": True, "nll_ref": 2.5, "nll": 2.5, "cfg": ev.select_all_config(8192).describe(8192)}
+           "identical": True, "nll_ref": 2.5, "nll": 2.5,
+           "cfg": variants.select_all_config(8192).describe(8192)}
     fidelity = {"steps": 256, "fractions": [0.25, 0.5], "accounting": "exclusive", "docs_dir": "/d",
                 "runs": [run], "timings": [], "seconds": 3.0, "select_all_identical": True}
     meta = {"model": "m.gguf", "cli": ["opencoti-patch eval all"]}
@@ -362,7 +367,7 @@ def _fake_exe(tmp_path: Path) -> Path:
 
 
 def test_run_passkey_with_a_stand_in_harness(tmp_path: Path) -> None:
-    h = ev.Harness(exe=_fake_exe(tmp_path), model=tmp_path / "m.gguf", log_dir=tmp_path / "logs")
+    h = batch.Harness(exe=_fake_exe(tmp_path), model=tmp_path / "m.gguf", log_dir=tmp_path / "logs")
     out = ev.run_passkey(h, seed=1, per_ctx={2048: 4}, fractions=[0.25, 0.5], accounting="exclusive",
                          show_progress=False)
     assert out["n_samples"] == 4 and out["summary"]["gate"]["passed"]
@@ -377,37 +382,37 @@ def test_run_passkey_with_a_stand_in_harness(tmp_path: Path) -> None:
 
 def test_finished_runs_are_cached_and_resumed(tmp_path: Path) -> None:
     exe = _fake_exe(tmp_path)
-    h = ev.Harness(exe=exe, model=tmp_path / "m.gguf", cache_dir=tmp_path / "cache")
+    h = batch.Harness(exe=exe, model=tmp_path / "m.gguf", cache_dir=tmp_path / "cache")
     req = [{"id": "x", "text": ev.passkey_prompt(3, 1, "12345"), "n_generate": 4}]
-    first = h.run(req, 2048, ev.DENSE, "dense")
+    first = h.run(req, 2048, variants.DENSE, "dense")
     assert len(list((tmp_path / "cache").glob("*.json"))) == 1
     seen: list[dict[str, Any]] = []
     exe_mtime = exe.stat().st_mtime_ns
     exe.write_text("#!/bin/sh\nexit 9\n")  # would fail if run again ...
     os.utime(exe, ns=(exe_mtime, exe_mtime))  # ... but the same binary (path + mtime) hits the cache
-    again = h.run(req, 2048, ev.DENSE, "dense", seen.append)
+    again = h.run(req, 2048, variants.DENSE, "dense", seen.append)
     assert again.results == first.results and seen == first.results
     with pytest.raises(OpencotiError):  # other flags: a new run
-        h.run(req, 4096, ev.DENSE, "dense")
+        h.run(req, 4096, variants.DENSE, "dense")
 
 
 def test_a_sparse_run_without_select_nodes_is_an_error(tmp_path: Path) -> None:
     exe = _fake_exe(tmp_path)
     exe.write_text(exe.read_text().replace("3 * steps if sparse else 0", "0"))
-    h = ev.Harness(exe=exe, model=tmp_path / "m.gguf")
+    h = batch.Harness(exe=exe, model=tmp_path / "m.gguf")
     req = [{"id": "x", "text": ev.passkey_prompt(3, 1, "12345"), "n_generate": 4}]
-    h.run(req, 2048, ev.DENSE, "dense")
+    h.run(req, 2048, variants.DENSE, "dense")
     with pytest.raises(CheckFailed, match="not active"):
-        h.run(req, 2048, ev.budget_config(2048, 0.5), "sparse")
+        h.run(req, 2048, variants.budget_config(2048, 0.5), "sparse")
 
 
 def test_a_failing_harness_reports_its_stderr(tmp_path: Path) -> None:
     exe = tmp_path / "bad"
     exe.write_text("#!/bin/sh\necho 'error: boom' >&2\nexit 3\n")
     exe.chmod(0o755)
-    h = ev.Harness(exe=exe, model=tmp_path / "m.gguf")
+    h = batch.Harness(exe=exe, model=tmp_path / "m.gguf")
     with pytest.raises(OpencotiError, match="boom"):
-        h.run([{"id": "x", "text": "t"}], 512, ev.DENSE, "x")
+        h.run([{"id": "x", "text": "t"}], 512, variants.DENSE, "x")
 
 
 def test_a_crash_backtrace_on_stdout_is_reported(tmp_path: Path) -> None:
@@ -415,15 +420,15 @@ def test_a_crash_backtrace_on_stdout_is_reported(tmp_path: Path) -> None:
     exe.write_text("#!/bin/sh\necho '[Thread debugging using libthread_db enabled]'\necho 'GGML_ASSERT' >&2\n"
                    "exit 134\n")
     exe.chmod(0o755)
-    h = ev.Harness(exe=exe, model=tmp_path / "m.gguf")
+    h = batch.Harness(exe=exe, model=tmp_path / "m.gguf")
     with pytest.raises(OpencotiError, match="(?s)exited 134.*GGML_ASSERT.*Thread debugging"):
-        h.run([{"id": "x", "text": "t"}], 512, ev.DENSE, "x")
+        h.run([{"id": "x", "text": "t"}], 512, variants.DENSE, "x")
 
 
 def test_llama_arg_env_does_not_leak_into_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LLAMA_ARG_SPARSE_ATTN", "on")
     monkeypatch.setenv("OTHER", "1")
-    env = ev.clean_env()
+    env = batch.clean_env()
     assert "LLAMA_ARG_SPARSE_ATTN" not in env and env["OTHER"] == "1"
 
 

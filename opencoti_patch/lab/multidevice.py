@@ -32,7 +32,7 @@ from typing import Any
 
 from ..errors import CheckFailed, OpencotiError
 from ..verify.identical import parse_log_facts
-from .evaluate import compare_logits
+from .logits import compare_logits
 
 VARIANTS = ("local-dense", "split-dense", "split-selectall", "split-sparse", "local-sparse")
 

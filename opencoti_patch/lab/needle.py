@@ -10,7 +10,7 @@ and the same samples, and N variants cost one prefill.
   at a uniform depth restricted to the blocks that sparse attention may drop
   (past the sink block, before the recent blocks), then a question (several frames); greedy answer.
 - **fidelity**: teacher-forced decode steps over real prose after a long prefill; KL(dense || variant) and
-  top-1 agreement per step (:func:`opencoti_patch.lab.evaluate.compare_logits`).
+  top-1 agreement per step (:func:`opencoti_patch.lab.logits.compare_logits`).
 
 Budgets are stated as **attended tokens** (sink + recent + top-k blocks): ``share`` of the context, or a fixed
 number of tokens.
@@ -19,10 +19,7 @@ number of tokens.
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
-import re
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -30,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OpencotiError
-from .evaluate import AttnConfig, compare_logits, parse_answer, window_config
+from .batch import Harness
+from .evaluate import parse_answer
+from .logits import compare_logits
 from .prose import take_text
+from .variants import BLOCK, DENSE, RECENT, SINK, variants_for
 
-BLOCK = 128
-SINK = 128
-RECENT = 256
 PER_DOC = 25  # passkey samples per filler text (make_samples)
 
 HEADER = "Read the following text carefully. A pass key is hidden somewhere in it; remember it.\n\n"
@@ -48,71 +45,6 @@ QUESTIONS = (
     "\n\nQuestion: What is the pass key?\nAnswer: The pass key is",
     "\n\nQuestion: Which number was given as the pass key in the text above?\nAnswer: The pass key is",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """A decode variant: dense, or sparse with a budget of attended tokens."""
-
-    name: str
-    cfg: AttnConfig
-
-    def json(self) -> dict[str, Any]:
-        c = self.cfg
-        if not c.sparse:
-            return {"name": self.name, "sparse_attn": False}
-        return {"name": self.name, "sparse_attn": True, "topk": c.topk, "block_size": c.block_size,
-                "recent": c.recent, "sink": c.sink, "dense_layers": c.dense_layers, "min_ctx": 1,
-                **c.score_settings()}
-
-    def attended(self, n_ctx: int) -> int:
-        return self.cfg.attended_blocks(n_ctx) * self.cfg.block_size
-
-
-def sparse_variant(n_ctx: int, attended_tokens: int, name: str, block: int = BLOCK,
-                   score: str = "max") -> Variant:
-    """Sparse attention attending ``attended_tokens`` of ``n_ctx`` (whole blocks of ``block`` tokens): sink +
-    recent + top-k (the sink and recent token counts are the same for every block size), blocks ranked by
-    ``score``."""
-    base = AttnConfig(name, sparse=True, topk=1, block_size=block, sink=SINK, recent=RECENT, min_ctx=1,
-                      fraction=attended_tokens / n_ctx, score=score)
-    top_k = round(attended_tokens / block) - base.sink_blocks - base.recent_blocks
-    if top_k < 1:
-        raise OpencotiError(f"{attended_tokens} attended tokens of {n_ctx} leave no top-k block")
-    return Variant(name, dataclasses.replace(base, topk=top_k))
-
-
-def variants_for(n_ctx: int, shares: Sequence[float], fixed_tokens: Sequence[int],
-                 window: bool = True, blocks: Sequence[int] = (BLOCK,),
-                 scores: Sequence[str] = ("max",)) -> list[Variant]:
-    """dense, sparse at each share of the context and at each smaller fixed budget, the window of the first
-    share. ``blocks`` x ``scores``: the selection block sizes and block scores, each pair its own sparse
-    variants, named ``sparse-<budget>`` plus ``-b<size>`` for a block size after the first or other than
-    128, and ``-<score>`` for a score after the first or other than ``max`` (the defaults keep the plain
-    names); the window is that of the first."""
-    out = [Variant("dense", AttnConfig("dense"))]
-    window_name = ""
-    for bi, block in enumerate(blocks):
-        probe = sparse_variant(n_ctx, n_ctx, "", block).cfg
-        min_tokens = (probe.sink_blocks + probe.recent_blocks + 1) * block
-        for si, score in enumerate(scores):
-            sfx = ("" if bi == 0 and block == BLOCK else f"-b{block}") + \
-                ("" if si == 0 and score == "max" else f"-{score}")
-            first = len(out)
-            # a share below sink + recent + 1 block has no top-k at this context: not run
-            for share in shares:
-                if round(share * n_ctx) >= min_tokens:
-                    name = f"sparse-{share * 100:g}%{sfx}"
-                    out.append(sparse_variant(n_ctx, round(share * n_ctx), name, block, score))
-                    window_name = window_name or f"window-{share * 100:g}%"
-            for tokens in fixed_tokens:  # a fixed budget below the shares' and not one of them
-                if tokens < n_ctx * min(shares, default=1.0) and \
-                        all(v.attended(n_ctx) != tokens for v in out[first:]):
-                    out.append(sparse_variant(n_ctx, tokens, f"sparse-{tokens}t{sfx}", block, score))
-                    window_name = window_name or f"window-{tokens}t"
-    if window and len(out) > 1:
-        out.append(Variant(window_name, window_config(out[1].cfg, n_ctx)))
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,74 +87,6 @@ def make_samples(seed: int, n_ctx: int, count: int, n_paragraphs: int,
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Offload:
-    """Where the harness runs: ``ngl`` layers on the GPU (0: CPU only, the default) and further llama.cpp
-    flags passed through to ``opencoti-harness-batch`` as they are."""
-
-    ngl: int = 0
-    extra: tuple[str, ...] = ()
-
-
-def batch_command(exe: Path, model: Path, n_ctx: int, variants_file: Path, requests_file: Path, *,
-                  threads: int, offload: Offload = Offload()) -> list[str]:
-    """The harness command line of :func:`run_variants` (the passed-through flags last, so they override)."""
-    return [str(exe), "--batch", str(requests_file), "--variants", str(variants_file), "-m", str(model),
-            "-c", str(n_ctx), "-fa", "on", "-t", str(threads), "-ngl", str(offload.ngl), "--swa-full",
-            *offload.extra]
-
-
-_OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
-
-
-def check_offload(log_text: str, ngl: int, log: Path) -> str | None:
-    """``N/M`` from llama's "offloaded N/M layers to GPU" line; with ``ngl`` > 0 every asked layer must be on
-    the GPU (a CPU build prints no such line, a GPU build with too little memory fewer layers), else an
-    error."""
-    found = _OFFLOADED.findall(log_text)
-    got = f"{found[-1][0]}/{found[-1][1]}" if found else None
-    if ngl > 0 and (not found or int(found[-1][0]) < min(ngl, int(found[-1][1]))):
-        raise OpencotiError(f"asked for -ngl {ngl}, but the harness offloaded {got or 'no'} layers to a GPU "
-                            f"(a build without a GPU backend? log {log})")
-    return got
-
-
-def run_variants(exe: Path, model: Path, n_ctx: int, variants: Sequence[Variant],
-                 requests: Sequence[dict[str, Any]], *, threads: int, log: Path,
-                 on_line: Callable[[dict[str, Any]], None] | None = None,
-                 offload: Offload = Offload()) -> list[dict[str, Any]]:
-    """One harness process: every request prefilled once (dense), decoded by every variant."""
-    with tempfile.TemporaryDirectory(prefix="opencoti-needle-") as tmp:
-        vfile, rfile = Path(tmp) / "variants.jsonl", Path(tmp) / "requests.jsonl"
-        vfile.write_text("".join(json.dumps(v.json()) + "\n" for v in variants))
-        rfile.write_text("".join(json.dumps(r) + "\n" for r in requests))
-        cmd = batch_command(exe, model, n_ctx, vfile, rfile, threads=threads, offload=offload)
-        out: list[dict[str, Any]] = []
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("w") as err, \
-                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True) as proc:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.strip():
-                    out.append(json.loads(line))
-                    if on_line is not None:
-                        on_line(out[-1])
-            rc = proc.wait()
-    expected = sum(1 if r.get("tokenize_only") else len(variants) for r in requests)
-    if rc != 0 or len(out) != expected:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-10:])
-        raise OpencotiError(f"harness exited {rc} after {len(out)}/{expected} results (log {log})\n{tail}")
-    check_offload(log.read_text(errors="replace"), offload.ngl, log)
-    for r in out:
-        if "variant" not in r:  # tokenize_only
-            continue
-        sparse = next(v for v in variants if v.name == r["variant"]).cfg.sparse
-        if sparse != (int(r.get("select_nodes", 0)) > 0):
-            raise OpencotiError(f"variant {r['variant']}: {r.get('select_nodes')} select nodes in the decode "
-                                f"of {r['id']}: the sparse path {'did not run' if sparse else 'ran'}")
-    return out
-
-
 class _Progress:
     """Calls ``report`` once per finished sample (all its variants)."""
 
@@ -237,10 +101,10 @@ class _Progress:
             self.report(f"{self.label}: {self.lines // self.n_variants}/{self.n_samples} samples")
 
 
-def chars_per_token(exe: Path, model: Path, paragraphs: list[str], log: Path) -> float:
+def chars_per_token(harness: Harness, paragraphs: list[str], log: Path) -> float:
+    """Characters per token of the model's tokenizer on the corpus (its first 40K characters)."""
     text = take_text(paragraphs, 0, 40_000)
-    res = run_variants(exe, model, 16384, [Variant("dense", AttnConfig("dense"))],
-                       [{"id": "fit", "text": text, "tokenize_only": True}], threads=1, log=log)
+    res = harness.run_variants([{"id": "fit", "text": text, "tokenize_only": True}], 16384, [DENSE], log)
     return len(text) / int(res[0]["n_tokens"])
 
 
@@ -257,13 +121,15 @@ def harness_ctx(n_ctx: int, n_generate: int) -> int:
     return n_ctx + CTX_HEADROOM
 
 
-def run_passkey(exe: Path, model: Path, paragraphs: list[str], *, contexts: dict[int, int],
-                shares: Sequence[float], fixed_tokens: Sequence[int], seed: int, threads: int, log_dir: Path,
-                n_generate: int = 8, progress: Callable[[str], None] | None = None, per_doc: int = PER_DOC,
-                offload: Offload = Offload(), blocks: Sequence[int] = (BLOCK,),
-                scores: Sequence[str] = ("max",)) -> dict[str, Any]:
+def run_passkey(harness: Harness, paragraphs: list[str], *, contexts: dict[int, int], shares: Sequence[float],
+                fixed_tokens: Sequence[int], seed: int, log_dir: Path, n_generate: int = 8,
+                progress: Callable[[str], None] | None = None, per_doc: int = PER_DOC,
+                blocks: Sequence[int] = (BLOCK,), scores: Sequence[str] = ("max",)) -> dict[str, Any]:
+    """Passkey prompts in real prose per context (``contexts``: context -> prompts), every variant of
+    :func:`~opencoti_patch.lab.variants.variants_for` on the same prompts (one dense prefill each): correct
+    answers, answers lost and gained against dense, the change per 100 prompts and its interval."""
     t0 = time.monotonic()
-    cpt = chars_per_token(exe, model, paragraphs, log_dir / "fit.log")
+    cpt = chars_per_token(harness, paragraphs, log_dir / "fit.log")
     by_ctx: dict[str, Any] = {}
     for n_ctx, count in contexts.items():
         variants = variants_for(n_ctx, shares, fixed_tokens, blocks=blocks, scores=scores)
@@ -276,8 +142,7 @@ def run_passkey(exe: Path, model: Path, paragraphs: list[str], *, contexts: dict
         tick = _Progress(progress, f"passkey {n_ctx}", len(reqs), len(variants))
         t_ctx = time.monotonic()
         n_ctx_kv = harness_ctx(n_ctx, n_generate)
-        res = run_variants(exe, model, n_ctx_kv, variants, reqs, threads=threads,
-                           log=log_dir / f"passkey-{n_ctx}.log", on_line=tick, offload=offload)
+        res = harness.run_variants(reqs, n_ctx_kv, variants, log_dir / f"passkey-{n_ctx}.log", on_result=tick)
         keys = {s.sid: s for s in samples}
         per: dict[str, dict[str, Any]] = {v.name: {"correct": 0, "answers": {}, "ms_decode": 0.0}
                                           for v in variants}
@@ -297,8 +162,8 @@ def run_passkey(exe: Path, model: Path, paragraphs: list[str], *, contexts: dict
             # paired on the same prompts: lost where dense is right and the variant not, gained the reverse
             right = {sid for sid, a in p["answers"].items() if a == keys[sid].key}
             p["lost"], p["gained"] = len(dense_right - right), len(right - dense_right)
-            p["attended_tokens"] = v.attended(n_ctx)
-            p["topk"] = v.cfg.topk if v.cfg.sparse else None
+            p["attended_tokens"] = v.attended_tokens(n_ctx)
+            p["topk"] = v.topk if v.sparse else None
             p["wrong"] = [{"sid": sid, "key": keys[sid].key, "answer": a, "depth": round(keys[sid].depth, 3),
                            "dense": dense[sid]}
                           for sid, a in sorted(p["answers"].items()) if a != keys[sid].key]
@@ -366,12 +231,13 @@ def reorder_variants(passkey: dict[str, Any], blocks: Sequence[int], scores: Seq
             {n: v for n, v in have.items() if n not in made}
 
 
-def run_fidelity(exe: Path, model: Path, paragraphs: list[str], *, contexts: Sequence[int],
-                 shares: Sequence[float], fixed_tokens: Sequence[int], steps: int, seed: int, threads: int,
-                 log_dir: Path, samples: int = 1, offload: Offload = Offload(),
+def run_fidelity(harness: Harness, paragraphs: list[str], *, contexts: Sequence[int], shares: Sequence[float],
+                 fixed_tokens: Sequence[int], steps: int, seed: int, log_dir: Path, samples: int = 1,
                  blocks: Sequence[int] = (BLOCK,), scores: Sequence[str] = ("max",)) -> dict[str, Any]:
+    """Teacher-forced decode over ``samples`` prose texts per context, every variant from one dense prefill:
+    KL(dense || variant), top-1 agreement and NLL per variant."""
     t0 = time.monotonic()
-    cpt = chars_per_token(exe, model, paragraphs, log_dir / "fit.log")
+    cpt = chars_per_token(harness, paragraphs, log_dir / "fit.log")
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="opencoti-fidelity-") as tmp:
@@ -382,14 +248,13 @@ def run_fidelity(exe: Path, model: Path, paragraphs: list[str], *, contexts: Seq
                                                               int(n_ctx * cpt * 1.1)),
                      "n_prefill": n_prefill, "n_forced": steps, "dump": str(Path(tmp) / f"f{n_ctx}-{i}.f32"),
                      "return_targets": True} for i in range(samples)]
-            res = run_variants(exe, model, n_ctx, variants, reqs, threads=threads,
-                               log=log_dir / f"fidelity-{n_ctx}.log", offload=offload)
+            res = harness.run_variants(reqs, n_ctx, variants, log_dir / f"fidelity-{n_ctx}.log")
             for req in reqs:
                 dense = next(r for r in res if r["id"] == req["id"] and r["variant"] == "dense")
                 for v in variants[1:]:
                     m = compare_logits(Path(req["dump"] + ".dense"), Path(req["dump"] + "." + v.name),
                                        int(dense["n_vocab"]), dense.get("targets"))
                     rows.append({"n_ctx": n_ctx, "sample": req["id"], "variant": v.name,
-                                 "attended_tokens": v.attended(n_ctx), **m})
+                                 "attended_tokens": v.attended_tokens(n_ctx), **m})
     return {"kind": "fidelity", "steps": steps, "shares": list(shares), "fixed_tokens": list(fixed_tokens),
             "rows": rows, "seconds": time.monotonic() - t0}

@@ -33,9 +33,10 @@ from ..errors import OpencotiError
 from ..report import info, render
 from ..stack.upstream import sha256_file
 from . import needle, prose, recall
-from .batch import DUMP_EXE, build_lab_harness
-from .evaluate import find_model
+from .batch import BATCH_EXE, DUMP_EXE, Harness, Offload, build_lab_harness
+from .model import find_model
 from .runinfo import machine_line
+from .variants import BLOCK, RECENT, SINK
 
 DEFAULT_PROSE = Path("/usr/share/doc/python3/html")  # Debian's python3-doc
 REPORT_PARTS = ("recall", "needles", "passkey", "fidelity")
@@ -52,13 +53,13 @@ class Workspace:
     model: Path
     prose_dirs: list[Path]
     work: Path
-    offload: needle.Offload
+    offload: Offload
     paragraphs: list[str]
 
     @classmethod
     def open(cls, build_dir: Path, llama_src: Path | None = None, model: Path | None = None,
              prose_dirs: Sequence[Path] = (), work_dir: Path | None = None,
-             offload: needle.Offload | None = None) -> Workspace:
+             offload: Offload | None = None) -> Workspace:
         """The workspace of a build (defaults: the project's tree, the [model] extra's model, Debian's Python
         documentation, ``<work>/selector``); reads the prose corpus."""
         settings = Settings.resolve()
@@ -69,12 +70,19 @@ class Workspace:
         paragraphs = prose.load_corpus(dirs)
         info(f"prose: {len(paragraphs)} paragraphs, {sum(map(len, paragraphs)) // 1000} k characters")
         return cls(llama_src=(llama_src or settings.tree).resolve(), bin=(build_dir / "bin").resolve(),
-                   model=find_model(model), prose_dirs=dirs, work=work, offload=offload or needle.Offload(),
+                   model=find_model(model), prose_dirs=dirs, work=work, offload=offload or Offload(),
                    paragraphs=paragraphs)
 
     def exe(self, target: str) -> Path:
         """The lab's program ``target``, built against this build (once: the harness build is reused)."""
         return build_lab_harness(self.llama_src, self.bin, self.work / "harness", targets=(target,)) / target
+
+    def harness(self, threads: int) -> Harness:
+        """``opencoti-harness-batch`` of this build on the model, with ``threads`` and the offload (and
+        ``--swa-full``: Gemma 3 is iSWA, and a full-size SWA cache lets a prompt keep the common prefix of the
+        one before)."""
+        return Harness(self.exe(BATCH_EXE), self.model, threads=threads, extra=("--swa-full",),
+                       offload=self.offload)
 
     def qk_dump(self, base: Path, text: str, args: list[str], what: str) -> Path:
         """The Q/K dump of one dense prefill of ``text`` (opencoti-qk-dump ``args``, e.g. the layers): the
@@ -103,25 +111,25 @@ class Workspace:
 
     def meta(self, splits: Sequence[recall.Split] = ()) -> dict[str, Any]:
         """What the report says about the run: model, prose, machine, offload, the selection's geometry."""
-        recent: int | str = needle.RECENT
-        if splits and (len(splits) > 1 or splits[0].of_budget or splits[0].tokens != needle.RECENT):
+        recent: int | str = RECENT
+        if splits and (len(splits) > 1 or splits[0].of_budget or splits[0].tokens != RECENT):
             recent = " / ".join(s.name.removeprefix("r") for s in splits)
         return {"model": self.model.name, "prose": ", ".join(p.name for p in self.prose_dirs),
                 "prose_sha256": {p.name: sha256_file(p) for p in self.prose_dirs if p.is_file()},
                 "machine": machine_line(self.offload.ngl), "ngl": self.offload.ngl,
-                "harness_args": list(self.offload.extra), "block": needle.BLOCK, "sink": needle.SINK,
+                "harness_args": list(self.offload.extra), "block": BLOCK, "sink": SINK,
                 "recent": recent}
 
 
 def feasible_shares(shares: Sequence[float], n_ctx: int, splits: Sequence[recall.Split],
-                    block: int = needle.BLOCK) -> list[float]:
+                    block: int = BLOCK) -> list[float]:
     """The shares that leave at least one top-k block at this context with some split (the others are only
     sink + recent)."""
     out = []
     for share in shares:
         for split in splits:
             try:
-                recall.budget_for(n_ctx, share, block, needle.SINK, split)
+                recall.budget_for(n_ctx, share, block, SINK, split)
             except OpencotiError:
                 continue
             out.append(share)
@@ -136,8 +144,8 @@ def recall_table(ws: Workspace, *, texts: dict[int, int], layers: Sequence[int],
                  scale: float | None, seed: int, threads: int) -> dict[str, Any]:
     """Per context (``texts``: context -> texts): the attention mass each scorer keeps, over every layer of
     every text (one dense prefill each); ``splits`` after the first are rows ``<scorer>@r<window>``."""
-    if block <= 0 or needle.SINK % block:
-        raise OpencotiError(f"the selection unit must divide the {needle.SINK}-token sink, got {block}")
+    if block <= 0 or SINK % block:
+        raise OpencotiError(f"the selection unit must divide the {SINK}-token sink, got {block}")
     multi = list(splits) if len(splits) > 1 else []
     layer_arg = ",".join(map(str, layers))
     rng = random.Random(seed)
@@ -158,7 +166,7 @@ def recall_table(ws: Workspace, *, texts: dict[int, int], layers: Sequence[int],
                 sc = scale if scale is not None else 1.0 / math.sqrt(k.shape[2])
                 per_layer[f"{i}/{layer}"] = recall.layer_recall(
                     q, k, scale=sc, block=block, shares=feasible_shares(shares, n_ctx, splits, block),
-                    scorers=list(scorers), sink=needle.SINK, recent=splits[0], splits=multi)
+                    scorers=list(scorers), sink=SINK, recent=splits[0], splits=multi)
         table[str(n_ctx)] = recall.aggregate(per_layer)
         n_texts[str(n_ctx)] = count
         info(f"recall {n_ctx}: done")
@@ -217,13 +225,13 @@ def _needle_hits(dump: Path, smp: needle.Sample, key: list[int], layers: Sequenc
     at = next((i for i in range(len(tokens) - 20) if tokens[i:i + len(key)] == key), None)
     if at is None:
         raise OpencotiError(f"{smp.sid}: the key's digits are not in the prompt's tokens")
-    blocks = {at // needle.BLOCK, (at + len(key) - 1) // needle.BLOCK}
+    blocks = {at // BLOCK, (at + len(key) - 1) // BLOCK}
     positions = np.arange(len(tokens) - NEEDLE_QUERIES, len(tokens))
     budgets: list[tuple[float, str, recall.Budget]] = []
     for share in shares:
         for split in splits:  # a split that leaves no top-k block is left out
             try:
-                bud = recall.budget_for(len(tokens), share, needle.BLOCK, needle.SINK, split)
+                bud = recall.budget_for(len(tokens), share, BLOCK, SINK, split)
             except OpencotiError:
                 continue
             budgets.append((share, f"@{split.name}" if len(splits) > 1 else "", bud))
@@ -235,7 +243,7 @@ def _needle_hits(dump: Path, smp: needle.Sample, key: list[int], layers: Sequenc
             windowed: set[float] = set()  # the window is the same for every split of a share
             for share, sfx, bud in budgets:
                 res = recall.needle_kept(q[-NEEDLE_QUERIES:, h * gqa:(h + 1) * gqa], k[:, h], positions,
-                                         blocks, scale=sc, block=needle.BLOCK, budget=bud,
+                                         blocks, scale=sc, block=BLOCK, budget=bud,
                                          scorers=list(scorers))
                 for sname, v in res.items():
                     if sname == "window" and share in windowed:
@@ -276,7 +284,7 @@ def rerender(path: Path) -> Path:
         raise OpencotiError(f"{path}: no recall, needles, passkey or fidelity result in it")
     try:
         if data.get("passkey"):
-            needle.reorder_variants(data["passkey"], data.get("blocks") or [needle.BLOCK],
+            needle.reorder_variants(data["passkey"], data.get("blocks") or [BLOCK],
                                     data.get("scores") or ["max"])
             needle.annotate_paired(data["passkey"])
         write_markdown(path.with_suffix(".md"), data)

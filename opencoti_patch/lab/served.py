@@ -30,8 +30,9 @@ from typing import Any
 
 from .evaluate import parse_answer
 from .loadtest import LoadTestError, ServerConfig, ServerProcess, Transport, server_tokenizer
-from .needle import BLOCK, Sample, make_samples, sparse_variant
+from .needle import Sample, make_samples
 from .prose import take_text
+from .variants import BLOCK, sparse_variant
 
 MODES = ("sequential", "concurrent")
 
@@ -47,8 +48,7 @@ class ServedVariant:
 def default_variants(n_ctx: int, share: float) -> list[ServedVariant]:
     """dense, and sparse attending ``share`` of ``n_ctx`` (sink + recent + top-k blocks), selecting from the
     first decode on (min-ctx 1: the automatic threshold would keep a 4K context dense)."""
-    sv = sparse_variant(n_ctx, round(share * n_ctx), "sparse")
-    c = sv.cfg
+    c = sparse_variant(n_ctx, round(share * n_ctx), "sparse")
     sparse = ("--sparse-attn", "on", "--sparse-attn-topk", str(c.topk),
               "--sparse-attn-block-size", str(c.block_size), "--sparse-attn-sink", str(c.sink),
               "--sparse-attn-recent", str(c.recent), "--sparse-attn-min-ctx", "1")

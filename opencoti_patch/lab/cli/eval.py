@@ -15,7 +15,8 @@ from ...config import Settings
 from ...errors import OpencotiError
 from ...report import info
 from .. import evaluate as ev
-from ..batch import BATCH_EXE, build_lab_harness
+from ..batch import Harness, build_harness_for
+from ..model import find_model
 
 
 def _shared(f: Any) -> Any:
@@ -100,18 +101,11 @@ def _paths(o: dict[str, Any]) -> dict[str, Any]:
     return o
 
 
-def _harness(o: dict[str, Any]) -> ev.Harness:
-    model = ev.find_model(o["model"])
-    exe: Path | None = o["harness_exe"]
-    if exe is None:
-        build: Path = o["build_dir"]
-        if not (build / "bin").is_dir():
-            raise OpencotiError(f"no llama.cpp build at {build} (build it, or pass --harness)")
-        info(f"building {BATCH_EXE} against {build}/bin")
-        exe = build_lab_harness(o["llama_src"], build / "bin", build / "opencoti-harness") / BATCH_EXE
+def _harness(o: dict[str, Any]) -> Harness:
+    exe = o["harness_exe"] or build_harness_for(o["llama_src"], o["build_dir"])
     # --swa-full: Gemma 3 is iSWA; a full-size SWA cache lets consecutive prompts keep their common prefix
-    return ev.Harness(exe=exe, model=model, threads=o["threads"], log_dir=o["log_dir"],
-                      cache_dir=o["cache_dir"], extra=("--swa-full",))
+    return Harness(exe=exe, model=find_model(o["model"]), threads=o["threads"], log_dir=o["log_dir"],
+                   cache_dir=o["cache_dir"], extra=("--swa-full",))
 
 
 def _run(gates: list[str], o: dict[str, Any]) -> None:

@@ -13,7 +13,7 @@ from ...builds.harness import SINGLE_EXE, build_harness
 from ...config import Settings, write_report
 from ...report import info, render
 from .. import multidevice
-from ..evaluate import find_model
+from ..model import find_model
 from ..runinfo import command_line, machine_line
 
 

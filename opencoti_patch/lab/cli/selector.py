@@ -24,10 +24,11 @@ from ...config import Settings, write_report
 from ...errors import OpencotiError
 from ...report import info, render
 from .. import needle, prose, recall, selector, served
-from ..batch import BATCH_EXE
-from ..evaluate import parse_samples_spec, parse_score
+from ..batch import Offload
+from ..evaluate import parse_samples_spec
 from ..loadtest import ServerConfig, default_transport
 from ..runinfo import command_line
+from ..variants import BLOCK, RECENT, SINK, parse_score
 
 
 def _pairs(text: str) -> dict[int, int]:
@@ -99,7 +100,7 @@ _common = _options("quality-selector")
 def _workspace(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
                work_dir: Path | None, ngl: int = 0, harness_args: tuple[str, ...] = ()) -> selector.Workspace:
     return selector.Workspace.open(build_dir, llama_src, model, prose_dirs, work_dir,
-                                   needle.Offload(ngl, tuple(harness_args)))
+                                   Offload(ngl, tuple(harness_args)))
 
 
 def _save(out_dir: Path, name: str, part: str, data: dict[str, Any], meta: dict[str, Any]) -> None:
@@ -160,8 +161,8 @@ def prose_pack_command(prose_dirs: tuple[Path, ...], out_file: Path) -> None:
               help="Scorers to compare (see opencoti_patch/lab/recall.py).")
 @click.option("--scale", type=float, help="Softmax scale (default: 1/sqrt(head dim)).")
 @click.option("--q-last", type=int, default=256, show_default=True, help="Decode steps (queries) per text.")
-@click.option("--recent", "recent", default=str(needle.RECENT), show_default=True, help=_RECENT_HELP)
-@click.option("--block", type=int, default=needle.BLOCK, show_default=True,
+@click.option("--recent", "recent", default=str(RECENT), show_default=True, help=_RECENT_HELP)
+@click.option("--block", type=int, default=BLOCK, show_default=True,
               help="The selection unit in cells (the series selects 128-cell blocks; smaller units show what "
                    "a finer selection would keep at the same attended budget).")
 def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
@@ -170,8 +171,8 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
                    layers: str, shares: str, scorers: str, scale: float | None, q_last: int,
                    recent: str, block: int) -> None:
     """Share of the dense attention mass each scorer's selection keeps, vs the oracle and the window."""
-    if block <= 0 or needle.SINK % block:
-        raise click.BadParameter(f"need a positive divisor of the {needle.SINK}-token sink",
+    if block <= 0 or SINK % block:
+        raise click.BadParameter(f"need a positive divisor of the {SINK}-token sink",
                                  param_hint="--block")
     t0 = time.monotonic()
     ws = _workspace(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
@@ -192,7 +193,7 @@ def recall_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
               help="Attended shares of the context (several: a table per context and share).")
 @click.option("--scorers", default="minmax128,mid32-sum,mean32,mean16,mean16-sum", show_default=True,
               help="Scorers to compare (see opencoti_patch/lab/recall.py).")
-@click.option("--recent", "recent", default=str(needle.RECENT), show_default=True,
+@click.option("--recent", "recent", default=str(RECENT), show_default=True,
               help="Recent window(s) as for `selector recall` (several: rows <selector>@r<window>).")
 def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                     prose_dirs: tuple[Path, ...], seed: int, threads: int, out_dir: Path, name: str,
@@ -215,7 +216,7 @@ def needles_command(build_dir: Path, llama_src: Path | None, model: Path | None,
 
 
 _blocks_option = click.option(
-    "--blocks", default=str(needle.BLOCK), show_default=True, callback=lambda _c, _p, v: int_list(v),
+    "--blocks", default=str(BLOCK), show_default=True, callback=lambda _c, _p, v: int_list(v),
     help="Selection block sizes (tokens), each its own sparse variants (suffix -b<size> after the first). "
          "The series takes multiples of 32 (the column slices of its CUDA flash attention).")
 _scores_option = click.option(
@@ -260,10 +261,10 @@ def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                     per_doc: int, blocks: list[int], scores: list[str]) -> None:
     """Passkey retrieval in real prose, dense and sparse (each budget) and the window, same samples."""
     ws = _workspace(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
-    res = needle.run_passkey(ws.exe(BATCH_EXE), ws.model, ws.paragraphs, contexts=_pairs(samples),
+    res = needle.run_passkey(ws.harness(threads), ws.paragraphs, contexts=_pairs(samples),
                              shares=fraction_list(shares), fixed_tokens=int_list(fixed), seed=seed,
-                             threads=threads, log_dir=ws.work / "logs", progress=info, per_doc=per_doc,
-                             offload=ws.offload, blocks=blocks, scores=scores)
+                             log_dir=ws.work / "logs", progress=info, per_doc=per_doc, blocks=blocks,
+                             scores=scores)
     _save(out_dir, name, "passkey", {"command": command_line(), "n_generate": 8, **res},
           ws.meta() | {"blocks": blocks, "scores": scores})
 
@@ -285,10 +286,10 @@ def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None
                      scores: list[str]) -> None:
     """KL(dense || sparse) and top-1 agreement over teacher-forced decode steps of real prose."""
     ws = _workspace(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
-    res = needle.run_fidelity(ws.exe(BATCH_EXE), ws.model, ws.paragraphs, contexts=int_list(contexts),
+    res = needle.run_fidelity(ws.harness(threads), ws.paragraphs, contexts=int_list(contexts),
                               shares=fraction_list(shares), fixed_tokens=int_list(fixed), steps=steps,
-                              seed=seed, threads=threads, log_dir=ws.work / "logs", samples=n_texts,
-                              offload=ws.offload, blocks=blocks, scores=scores)
+                              seed=seed, log_dir=ws.work / "logs", samples=n_texts, blocks=blocks,
+                              scores=scores)
     _save(out_dir, name, "fidelity", {"command": command_line(), **res},
           ws.meta() | {"blocks": blocks, "scores": scores})
 
