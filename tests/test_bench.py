@@ -228,13 +228,13 @@ def test_bench_report_cli(tmp_path: Path) -> None:
     empty.mkdir()
     res = CliRunner().invoke(cli, ["bench", "report", str(empty), "--out-dir", str(out)])
     assert res.exit_code != 0 and "no llama-bench results" in res.output
-    # without --out-dir: the project's docs/results, wherever it is run from
+    # without --out-dir: the work folder's results/ (git-ignored), wherever it is run from
     root = tmp_path / "proj"
     (root / "patches").mkdir(parents=True)
     runner = CliRunner(env={"OPENCOTI_ROOT": str(root)})
     res = runner.invoke(cli, ["bench", "report", str(logs), "--name", "y"])
     assert res.exit_code == 0, res.output
-    assert (root / "docs" / "results" / "y.json").is_file()
+    assert (root / "work" / "results" / "y.json").is_file()
 
 
 def test_rows_of_another_score_or_page_size_say_so_and_pair_with_the_same_dense(tmp_path: Path) -> None:
