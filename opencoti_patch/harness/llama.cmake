@@ -7,6 +7,7 @@
 # common's argument parser takes every flag the tree knows, e.g. --sparse-attn on a patched tree; without it a
 # program uses a small parser of its own, so a build of just ggml + libllama is enough). The backends
 # (libggml-cpu*.so, libggml-cuda.so) are loaded from LLAMA_BIN at run time (GGML_BACKEND_DL builds).
+set(OPENCOTI_HARNESS_DIR ${CMAKE_CURRENT_LIST_DIR})  # opencoti-harness.h: what the programs share
 set(CMAKE_CXX_STANDARD 17)
 set(CMAKE_CXX_STANDARD_REQUIRED ON)
 if (NOT CMAKE_BUILD_TYPE)
@@ -40,7 +41,7 @@ endforeach()
 function(opencoti_program name source)
     add_executable(${name} ${source})
     target_include_directories(${name} PRIVATE
-        ${LLAMA_SRC}/include ${LLAMA_SRC}/ggml/include ${LLAMA_SRC}/common ${LLAMA_SRC}/vendor)
+        ${OPENCOTI_HARNESS_DIR} ${LLAMA_SRC}/include ${LLAMA_SRC}/ggml/include ${LLAMA_SRC}/common ${LLAMA_SRC}/vendor)
     target_compile_definitions(${name} PRIVATE OPENCOTI_BACKEND_DIR="${LLAMA_BIN}")
     target_link_libraries(${name} PRIVATE ${OPENCOTI_LLAMA_LIBS} Threads::Threads)
     set_target_properties(${name} PROPERTIES BUILD_RPATH "${LLAMA_BIN}")

@@ -43,6 +43,7 @@
 #include "ggml-backend.h"
 #include "ggml.h"
 #include "llama.h"
+#include "opencoti-harness.h"
 
 #include <nlohmann/json.hpp>
 
@@ -78,25 +79,6 @@ bool batch_count_cb(struct ggml_tensor * t, bool ask, void * user_data) {
         }
     }
     return false;  // never observe a tensor: each split is computed in one piece, as without a callback
-}
-
-void batch_push(llama_batch & batch, llama_token tok, llama_pos pos, bool logits) {
-    const int i = batch.n_tokens++;
-    batch.token[i] = tok;
-    batch.pos[i] = pos;
-    batch.n_seq_id[i] = 1;
-    batch.seq_id[i][0] = 0;
-    batch.logits[i] = logits;
-}
-
-llama_token batch_argmax(const float * logits, int32_t n) {
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; ++i) {
-        if (logits[i] > logits[best]) {
-            best = i;
-        }
-    }
-    return best;
 }
 
 bool g_batch_verbose = false;
@@ -281,7 +263,7 @@ int batch_decode(llama_context * ctx, llama_batch & batch, const batch_steps & s
     for (int64_t s = 0; s < st.n_steps; ++s) {
         const llama_token tok = s < st.n_forced ? st.tokens[(size_t) pos] : generated.back();
         batch.n_tokens = 0;
-        batch_push(batch, tok, pos++, true);
+        opencoti_batch_add(batch, tok, pos++, true);
         if (llama_decode(ctx, batch) != 0) {
             fprintf(stderr, "error: request %s: llama_decode failed at decode step %lld\n", id.c_str(), (long long) s);
             return 1;
@@ -291,7 +273,7 @@ int batch_decode(llama_context * ctx, llama_batch & batch, const batch_steps & s
             fwrite(row, sizeof(float), (size_t) st.n_vocab, dump);
         }
         if (s + 1 >= st.n_forced && (int64_t) generated.size() < st.n_generate) {
-            generated.push_back(batch_argmax(row, st.n_vocab));
+            generated.push_back(opencoti_argmax(row, st.n_vocab));
             gen_text += common_token_to_piece(ctx, generated.back());
         }
     }
@@ -397,7 +379,7 @@ int batch_run(common_params & params, const std::string & in_path, const std::st
             batch.n_tokens = 0;
             const int64_t end = std::min(n_prefill, i + n_batch);
             for (int64_t j = i; j < end; ++j) {
-                batch_push(batch, tokens[(size_t) j], (llama_pos) j, j + 1 == n_prefill);
+                opencoti_batch_add(batch, tokens[(size_t) j], (llama_pos) j, j + 1 == n_prefill);
             }
             if (llama_decode(ctx, batch) != 0) {
                 fprintf(stderr, "error: request %s: llama_decode failed in the prefill at %lld\n", id.c_str(),
