@@ -89,6 +89,26 @@ struct batch_variant {
     llama_context * ctx = nullptr;
 };
 
+// the next non-empty line of ``in``, parsed into ``out``: false at the end, or after an error message about the bad
+// ``what`` (then ``bad`` is set)
+bool batch_next_json(std::istream & in, nlohmann::json & out, const std::string & what, bool & bad) {
+    std::string line;
+    while (std::getline(in, line)) {
+        if (line.empty()) {
+            continue;
+        }
+        try {
+            out = nlohmann::json::parse(line);
+            return true;
+        } catch (const std::exception & e) {
+            fprintf(stderr, "error: bad %s: %s\n", what.c_str(), e.what());
+            bad = true;
+            return false;
+        }
+    }
+    return false;
+}
+
 // the contexts of --variants (see the file comment); false after an error message
 bool batch_load_variants(const std::string & path, llama_model * model, const common_params & params,
                          std::vector<batch_variant> & out) {
@@ -97,18 +117,9 @@ bool batch_load_variants(const std::string & path, llama_model * model, const co
         fprintf(stderr, "error: cannot read %s\n", path.c_str());
         return false;
     }
-    std::string line;
-    while (std::getline(f, line)) {
-        if (line.empty()) {
-            continue;
-        }
-        nlohmann::json v;
-        try {
-            v = nlohmann::json::parse(line);
-        } catch (const std::exception & e) {
-            fprintf(stderr, "error: bad variant line in %s: %s\n", path.c_str(), e.what());
-            return false;
-        }
+    nlohmann::json v;
+    bool bad = false;
+    while (batch_next_json(f, v, "variant line in " + path, bad)) {
         llama_context_params cp = common_context_params_to_llama(params);
 #ifdef OPENCOTI_HAVE_SPARSE_ATTN
         cp.sparse_attn              = v.value("sparse_attn", cp.sparse_attn);
@@ -154,6 +165,9 @@ bool batch_load_variants(const std::string & path, llama_model * model, const co
             return false;
         }
         out.push_back(bv);
+    }
+    if (bad) {
+        return false;
     }
     if (out.empty()) {
         fprintf(stderr, "error: %s holds no variant\n", path.c_str());
@@ -326,20 +340,10 @@ int batch_run(common_params & params, const std::string & in_path, const std::st
     std::vector<llama_token> cached;  // the prefill tokens of the previous request (positions 0..)
     llama_memory_t mem = llama_get_memory(ctx);
 
-    std::string line;
     int rc = 0;
-    while (rc == 0 && std::getline(in, line)) {
-        if (line.empty()) {
-            continue;
-        }
-        nlohmann::json req;
-        try {
-            req = nlohmann::json::parse(line);
-        } catch (const std::exception & e) {
-            fprintf(stderr, "error: bad request line: %s\n", e.what());
-            rc = 1;
-            break;
-        }
+    nlohmann::json req;
+    bool bad = false;
+    while (rc == 0 && batch_next_json(in, req, "request line", bad)) {
         const std::string id = req.value("id", std::string());
         const std::string text = req.value("text", std::string());
         const std::vector<llama_token> tokens = common_tokenize(ctx, text, true, false);
@@ -460,6 +464,9 @@ int batch_run(common_params & params, const std::string & in_path, const std::st
             fprintf(out, "%s\n", vres.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
             fflush(out);
         }
+    }
+    if (bad) {
+        rc = 1;
     }
     for (const batch_variant & v : variants) {
         llama_free(v.ctx);
