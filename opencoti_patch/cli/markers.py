@@ -34,9 +34,11 @@ def _load(settings: Settings, diff_file: Path | None, feature: str | None) -> li
             stdin = str(diff_file) == "-"
             data = sys.stdin.buffer.read() if stdin else diff_file.read_bytes()
             return [diff_patch(data, "stdin" if stdin else diff_file.name, feature)]
-        if not settings.series_file.is_file():
-            raise OpencotiError(f"{settings.series_file}: no series file")
-        return load_series(settings.patches_dir)
+        patches = load_series(settings.patches_dir)
+        if not patches:
+            raise OpencotiError(f"{settings.series_file} lists no patch: nothing to audit (--diff FILE "
+                                "audits a plain diff)")
+        return patches
     except OSError as exc:
         raise OpencotiError(str(exc)) from exc
 

@@ -355,6 +355,11 @@ def prepare_cmd(settings: Settings, pin: str | None, from_file: Path | None, thr
                 f"{settings.tree} is on pin {tree.pin}, not {p.name}: "
                 f"`{settings.command('rebase --to ' + p.name)}` or remove the tree"
             )
+        if not load_series(settings.patches_dir):  # a project before its first patch: nothing to apply yet
+            apply_mod.refuse_empty_series(tree, [], "prepare")
+            click.echo(f"{settings.tree} is {tree.tag}; {settings.series_file} lists no patch yet (the first "
+                       f"comes from `{settings.command('snapshot --new NAME')}`)")
+            return
     _apply_common(settings, three_way, False, False, as_json)
 
 

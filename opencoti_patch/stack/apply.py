@@ -14,7 +14,7 @@ import json
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -340,6 +340,21 @@ def failure_message(tree: Tree, outcome: Outcome, patch: Patch, applied: int) ->
     )
 
 
+def refuse_empty_series(tree: Tree, names: Sequence[str], action: str) -> None:
+    """Refuse ``action`` when the series lists no patch while the tree carries applied ones: that
+    series is not the tree's (another folder, or an emptied file), and acting on it would drop them."""
+    if names:
+        return
+    applied = [c.patch for c in tree.stack() if c.patch is not None]
+    if applied:
+        shown = ", ".join(applied[:3]) + (", ..." if len(applied) > 3 else "")
+        raise OpencotiError(
+            f"cannot {action}: {tree.settings.series_file} lists no patch, but {tree.path} carries "
+            f"{len(applied)} applied ({shown}): give the patches folder of that tree (--patches-dir, or "
+            f"run from its project); to take the patches off the tree, `{tree.settings.command('unapply')}`"
+        )
+
+
 def apply_series(
     tree: Tree,
     patches: list[Patch],
@@ -351,6 +366,10 @@ def apply_series(
 ) -> Report:
     """Bring the tree to "pristine + the whole series", one commit per patch."""
     tree.require()
+    if not patches:
+        refuse_empty_series(tree, [], "apply the series")
+        raise OpencotiError(f"nothing to apply: {tree.settings.series_file} lists no patch (the first "
+                            f"comes from `{tree.settings.command('snapshot --new NAME')}`)")
     report = Report(pin=tree.pin, dry_run=dry_run)
     if not dry_run:  # leftovers of a killed run (HEAD is its last good patch); whatever is there is kept
         saved = tree.recover_interrupted()
@@ -514,6 +533,7 @@ def rebase(
     what upstream removed stops too, as a conflict (``names_stop``)."""
     tree.require()
     refuse_during_rebase(tree, f"rebase onto {pin.name}")
+    refuse_empty_series(tree, [p.name for p in patches], f"rebase onto {pin.name}")
     if pin.name == tree.pin:
         raise OpencotiError(f"the tree is already on {pin.name}")
     tree.guard_clean("rebase", force)

@@ -24,7 +24,15 @@ from typing import Any
 
 from ..config import DEFAULT_AUTHOR, Settings
 from ..errors import CheckFailed, OpencotiError
-from .apply import CLEAN, apply_one, finish_rebase, rebase_state, rebase_waiting, scratch_index
+from .apply import (
+    CLEAN,
+    apply_one,
+    finish_rebase,
+    rebase_state,
+    rebase_waiting,
+    refuse_empty_series,
+    scratch_index,
+)
 from .series import (
     PatchHeader,
     check_name,
@@ -195,6 +203,7 @@ def snapshot(
     if rebasing and not rebasing.get("done"):
         raise OpencotiError(f"cannot snapshot: {rebase_waiting(tree, rebasing)}")
     series = read_series(tree.settings.patches_dir)
+    refuse_empty_series(tree, series, "snapshot --check" if check else "snapshot")
     applied_before = [c.patch for c in tree.stack() if c.patch is not None]
     dropped = [n for n in tree.read_state().get("dropped", []) if n not in applied_before]
     unapplied = [n for n in series if n not in applied_before and n not in dropped]

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from ..config import require_patches_dir
 from ..errors import OpencotiError
 from ..report import render
 
@@ -156,6 +157,9 @@ def next_name(existing: Iterable[str], slug: str) -> str:
 
 
 def read_series(patches_dir: Path) -> list[str]:
+    """The patch names of ``patches_dir/series`` in order ([] when there is no series file yet); a
+    missing ``patches_dir`` is an error (the wrong folder: a project's patches folder exists)."""
+    require_patches_dir(patches_dir)
     path = patches_dir / "series"
     if not path.exists():
         return []

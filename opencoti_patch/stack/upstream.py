@@ -28,7 +28,7 @@ from typing import Any
 
 import requests
 
-from ..config import TAG_PREFIX, Settings
+from ..config import TAG_PREFIX, Settings, require_patches_dir
 from ..errors import OpencotiError
 from ..progress import progress as progress_bar
 from ..report import info
@@ -145,6 +145,7 @@ def load_upstream(path: Path, command: Callable[[str], str] = plain_command) -> 
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as exc:
+        require_patches_dir(path.parent)
         raise OpencotiError(f"{path} not found: it names the pinned upstream") from exc
     return parse_upstream(text, path, command)
 

@@ -1,0 +1,112 @@
+"""User mistakes that must be refused: one clear line, a non-zero exit, and nothing changed (the
+tree, its git state, patches/ and work/ byte-identical before and after), on the tiny synthetic
+upstream (docs/checks.md, "Refusals")."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from stackutil import PIN_B, Project
+from test_patchstack import two_patches
+
+
+def _git(tree: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True).stdout
+
+
+def project_state(p: Project) -> dict[str, str]:
+    """sha256 of every file, link and folder of the project (patches/, work/: the tree, rescue/, fetch
+    records, staging folders), with the tree's .git reduced to what a command changes: HEAD, the refs,
+    the index's entries and opencoti-patch's own state (a read-only git call may refresh the index's stat
+    data, which is no change). The tree lock file is left out: taking the lock writes it."""
+    state: dict[str, str] = {}
+    git_dir = p.tree / ".git"
+    for dirpath, dirnames, filenames in os.walk(p.root):
+        here = Path(dirpath)
+        if here == git_dir:
+            dirnames[:] = [d for d in dirnames if d == "opencoti"]
+            filenames = []
+        for name in dirnames:
+            state[(here / name).relative_to(p.root).as_posix() + "/"] = "dir"
+        for name in filenames:
+            path = here / name
+            rel = path.relative_to(p.root).as_posix()
+            if rel == f"work/.{p.tree.name}.lock":
+                continue
+            data = os.fsencode(os.readlink(path)) if path.is_symlink() else path.read_bytes()
+            kind = "link" if path.is_symlink() else oct(path.stat().st_mode & 0o777)
+            state[rel] = f"{kind} {hashlib.sha256(data).hexdigest()}"
+    if git_dir.is_dir():
+        for what in (("rev-parse", "HEAD"), ("for-each-ref",), ("ls-files", "-s")):
+            state["git " + " ".join(what)] = hashlib.sha256(_git(p.tree, *what).encode()).hexdigest()
+    return state
+
+
+def refused(p: Project, *args: str, needles: tuple[str, ...], code: int = 1) -> str:
+    """Run ``args``; it must exit ``code`` with one ``Error:`` line holding every needle, and change
+    nothing. Returns that line."""
+    before = project_state(p)
+    result = p.run(*args, code=code)
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("Error: ")]
+    assert len(errors) == 1 and result.output.rstrip().endswith(errors[0]), (args, result.output)
+    for needle in needles:
+        assert needle in errors[0], (args, needle, errors[0])
+    after = project_state(p)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, (args, changed)
+    return errors[0]
+
+
+# -- 1. a missing or empty series --------------------------------------------------------------
+
+
+SERIES_READERS = (("apply",), ("apply", "--dry-run"), ("status",), ("status", "--json"), ("snapshot",),
+                  ("snapshot", "--check"), ("snapshot", "--top"), ("rebase", "--to", PIN_B),
+                  ("check",), ("markers",), ("prepare",))
+
+
+def test_no_patches_folder_is_refused(project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                      ) -> None:
+    """`--work-dir W` from a folder without patches/: the series is not there, not empty (apply used to
+    pop every applied patch, status to list them [not in series], snapshot to die on a traceback)."""
+    two_patches(project)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.delenv("OPENCOTI_ROOT")
+    monkeypatch.chdir(elsewhere)
+    work = ("--work-dir", str(project.root / "work"))
+    for args in (*SERIES_READERS, ("rebase", "--abort"), ("rebuild",)):
+        refused(project, *args, *work, needles=(f"no patches folder at {elsewhere / 'patches'}",
+                                                "--patches-dir"))
+    monkeypatch.chdir(project.root)
+    assert "applied:  2" in project.run("status").output
+
+
+@pytest.mark.parametrize("how", ["emptied", "removed"])
+def test_empty_series_with_applied_patches_is_refused(project: Project, how: str) -> None:
+    two_patches(project)
+    series = project.patches / "series"
+    if how == "emptied":
+        series.write_text("# nothing here\n")
+    else:
+        series.unlink()
+    for args in SERIES_READERS:
+        needles = ("lists no patch",) if args[0] in ("check", "markers") else \
+            ("lists no patch", "carries 2 applied (0001-first.patch, 0002-second.patch)", "unapply")
+        refused(project, *args, needles=needles)
+
+
+def test_empty_series_before_the_first_patch(project: Project) -> None:
+    """A project before its first patch: prepare fetches and backs up, apply has nothing to apply (an
+    error, not "0 patch(es)"), and the first patch comes from `snapshot --new`."""
+    assert "lists no patch yet" in project.run("prepare").output
+    refused(project, "apply", needles=("nothing to apply", "lists no patch", "snapshot --new NAME"))
+    assert "applied:  0" in project.run("status").output
+    project.run("snapshot", "--check")
+    project.edit("src/a.c", "int line_10 = 10;", "int line_10 = 1000;")
+    project.run("snapshot", "--new", "first")
+    project.run("apply")
