@@ -110,3 +110,44 @@ def test_empty_series_before_the_first_patch(project: Project) -> None:
     project.edit("src/a.c", "int line_10 = 10;", "int line_10 = 1000;")
     project.run("snapshot", "--new", "first")
     project.run("apply")
+
+
+# -- 2. an interrupted transaction (apply killed outright) ----------------------------------------
+
+
+def _killed_mid_apply(p: Project, index_lock: bool = False) -> None:
+    """What `kill -9` in the middle of `apply` leaves: the transaction file, a patch half applied."""
+    (p.tree / ".git" / "opencoti" / "txn").write_text("x\n")
+    p.edit("src/b.h", "int b(void);", "int b(void); // half")
+    if index_lock:
+        (p.tree / ".git" / "index.lock").write_text("")
+
+
+RECOVERY = ("was killed while applying a patch", "half-applied files", "`opencoti-patch apply",
+            "brings the tree back", "restore")
+
+
+@pytest.mark.parametrize("index_lock", [False, True])
+def test_writers_refuse_an_interrupted_apply(project: Project, index_lock: bool) -> None:
+    """`snapshot --top` used to fold the half-applied files into the top patch ("round trip OK"), and the
+    next apply then failed: every command that writes patches/ or the tree refuses and names `apply`."""
+    two_patches(project)
+    project.run("unapply", "1")
+    _killed_mid_apply(project, index_lock)
+    for args in (("snapshot",), ("snapshot", "--top"), ("snapshot", "--new", "x"), ("snapshot", "--check"),
+                 ("snapshot", "--mark", "--top"), ("refresh", "--top"), ("rebase", "--to", PIN_B),
+                 ("markers", "--fix", "--tree", str(project.tree))):
+        action = "snapshot" if args[0] == "refresh" else args[0]
+        refused(project, *args, needles=(f"cannot {action}", *RECOVERY))
+    assert "half-applied files of the interrupted apply: 1" in project.run("status").output
+    project.run("apply")  # the way back it names
+    project.run("snapshot", "--check")
+
+
+def test_rebase_steps_refuse_an_interrupted_apply(project: Project) -> None:
+    two_patches(project)
+    project.run("rebase", "--to", PIN_B, code=3)
+    project.resolve_conflict("src/a.c", "int line_38 = 383800;")
+    _killed_mid_apply(project)
+    for step in ("--continue", "--skip", "--abort"):
+        refused(project, "rebase", step, needles=(f"cannot rebase {step}", *RECOVERY))

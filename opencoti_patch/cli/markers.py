@@ -68,6 +68,7 @@ def markers_command(settings: Settings, as_json: bool, fix: bool, diff_file: Pat
         if not explicit and whole_series_tree(settings) is None:
             raise UsageProblem("--fix needs --tree (it edits the files of the tree)")
         with tree_lock(settings):
+            Tree(settings).refuse_interrupted("markers --fix")
             result = fix_tree(settings.tree, patches)
         if as_json:
             click.echo(json.dumps(result.to_dict(), indent=2))

@@ -532,6 +532,7 @@ def rebase(
     ``names_check``, a step that applied (clean, merged, auto-resolved) whose marked regions name
     what upstream removed stops too, as a conflict (``names_stop``)."""
     tree.require()
+    tree.refuse_interrupted(f"rebase onto {pin.name}")
     refuse_during_rebase(tree, f"rebase onto {pin.name}")
     refuse_empty_series(tree, [p.name for p in patches], f"rebase onto {pin.name}")
     if pin.name == tree.pin:
@@ -604,6 +605,7 @@ def rebase_continue(tree: Tree, patches: list[Patch], resolver: Resolver | None 
     the names check runs on the whole step first (what git merged cleanly beside the conflicts) and
     may stop it once more; after a names stop the tree is taken as the person left it (fixed, or
     judged right)."""
+    tree.refuse_interrupted("rebase --continue")
     state = _conflicted_state(tree, "continue")
     by_name = {p.name: p for p in patches}
     name = state["remaining"][0]
@@ -639,6 +641,7 @@ def _step_done(tree: Tree, patches: list[Patch], state: dict[str, Any], status: 
 def rebase_abort(tree: Tree) -> dict[str, Any]:
     """Back to the old pin and stack (also after the last step, until `snapshot` wrote patches/);
     returns the state that was aborted."""
+    tree.refuse_interrupted("rebase --abort")
     state = rebase_state(tree)
     if not state:
         raise OpencotiError("no rebase in progress (a rebase ends when `snapshot` has rewritten "
@@ -660,6 +663,7 @@ def rebase_skip(tree: Tree, patches: list[Patch], resolver: Resolver | None = No
                 names_check: NamesCheck | None = None) -> tuple[Report, dict[str, Any] | None]:
     """Drop the conflicted patch and go on; the next `snapshot` takes it out of the series and sets
     its file aside in patches/skipped/."""
+    tree.refuse_interrupted("rebase --skip")
     state = _conflicted_state(tree, "skip")
     tree.reset_hard("HEAD")
     dropped = tree.read_state().get("dropped", [])

@@ -199,6 +199,7 @@ def snapshot(
     """Write the tree's patch commits (and edits) back into patches/: plan the entries, number the
     new ones, render them, then (unless ``check``) stage, prove and swap in, and rewrite the commits."""
     tree.require()
+    tree.refuse_interrupted("snapshot --check" if check else "snapshot")
     rebasing = rebase_state(tree)
     if rebasing and not rebasing.get("done"):
         raise OpencotiError(f"cannot snapshot: {rebase_waiting(tree, rebasing)}")
