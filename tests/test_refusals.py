@@ -4,13 +4,19 @@ upstream (docs/checks.md, "Refusals")."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import hashlib
+import io
+import lzma
 import os
 import subprocess
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
-from stackutil import PIN_B, Project
+from stackutil import PIN_A, PIN_B, Project, upstream_toml
 from test_patchstack import two_patches
 
 
@@ -151,3 +157,82 @@ def test_rebase_steps_refuse_an_interrupted_apply(project: Project) -> None:
     _killed_mid_apply(project)
     for step in ("--continue", "--skip", "--abort"):
         refused(project, "rebase", step, needles=(f"cannot rebase {step}", *RECOVERY))
+
+
+# -- 3. a broken archive whose sha256 a pin records -------------------------------------------------
+
+
+def _flip(data: bytes, start: int, end: int) -> bytes:
+    return data[:start] + bytes(b ^ 0x55 for b in data[start:end]) + data[end:]
+
+
+def _at_member_boundary(raw: bytes) -> bytes:
+    """A plain tar cut where a header starts: no end-of-archive block, and tarfile reads it as complete."""
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        members = tar.getmembers()
+    return raw[: members[len(members) // 2].offset]
+
+
+def _broken_archives(sdist: Path) -> dict[str, tuple[bytes, str]]:
+    """name -> (bytes, what the error must say)."""
+    data = sdist.read_bytes()
+    raw = gzip.decompress(data)
+    raw_bz2, raw_xz = bz2.compress(raw), lzma.compress(raw)
+    zipped = io.BytesIO()
+    with zipfile.ZipFile(zipped, "w") as z:
+        z.writestr("pkg/vendor/llama.cpp/a.c", "int a;\n" * 500)
+    crc = len(data) - 8  # the gzip trailer: CRC32, then the length
+    return {
+        "cut.tar.gz": (data[: len(data) * 2 // 3], "truncated (gz data ends"),
+        "no-trailer.tar.gz": (data[:-6], "truncated (gz data ends"),
+        "corrupt.tar.gz": (_flip(data, 200, 400), "corrupt (gz-compressed tar data)"),
+        "bad-crc.tar.gz": (_flip(data, crc, crc + 4), "corrupt (gz-compressed tar data): CRC check failed"),
+        "cut.tar": (raw[: len(raw) // 2 + 100], "truncated"),
+        "cut-at-member.tar": (_at_member_boundary(raw), "no end-of-archive block"),
+        "cut.tar.bz2": (raw_bz2[: len(raw_bz2) // 2], "truncated (bz2 data ends"),
+        "cut.tar.xz": (raw_xz[: len(raw_xz) // 2], "truncated (xz data ends"),
+        "corrupt.tar.xz": (_flip(raw_xz, 100, 300), "corrupt (xz-compressed tar data)"),
+        "not-a-tar.tar.gz": (b"hello " * 100, "not a tar archive"),
+        "sdist.zip": (zipped.getvalue(), "a zip archive; only tar archives"),
+        "cut.zip": (zipped.getvalue()[:60], "a zip archive; only tar archives"),
+    }
+
+
+def _pin_to(p: Project, pin: str, archive: Path) -> None:
+    """upstream.toml with ``pin`` at ``archive`` (its sha256 recorded), the other pin as it was."""
+    sha = hashlib.sha256(archive.read_bytes()).hexdigest()
+    pins = {PIN_A: (p.sdist_a, p.sha_a), PIN_B: (p.sdist_b, p.sha_b)} | {pin: (archive, sha)}
+    (p.patches / "upstream.toml").write_text(upstream_toml(pins, PIN_A))
+
+
+def test_broken_archive_with_a_pinned_sha256_is_named(project: Project, tmp_path: Path) -> None:
+    """A truncated archive ended in click's bare "Aborted!" (tarfile's EOFError), a plain tar cut at a
+    member boundary was extracted as a smaller tree: each is one line naming the file and what is wrong."""
+    (project.root / "work").mkdir()
+    for name, (data, what) in _broken_archives(project.sdist_a).items():
+        archive = tmp_path / name
+        archive.write_bytes(data)
+        _pin_to(project, PIN_A, archive)
+        line = refused(project, "fetch", needles=(str(archive), what, "nothing extracted"))
+        damaged = "zip" not in name and "not-a-tar" not in name  # a broken copy: the pin is wrong
+        assert (f"its sha256 is the one pin {PIN_A} records" in line and "pin add" in line) == damaged, line
+        refused(project, "pin", "add", "broken", "--tarball", str(archive), "--commit", "c" * 40,
+                needles=(str(archive), what))
+
+
+def test_broken_archive_of_the_rebase_target_changes_nothing(project: Project, tmp_path: Path) -> None:
+    two_patches(project)
+    archive = tmp_path / "cut.tar.gz"
+    archive.write_bytes(project.sdist_b.read_bytes()[:-200])
+    _pin_to(project, PIN_B, archive)
+    refused(project, "rebase", "--to", PIN_B, needles=(str(archive), "truncated"))
+    assert "applied:  2" in project.run("status").output
+
+
+def test_sha256_mismatch_stays_a_clear_error(project: Project) -> None:
+    (project.root / "work").mkdir()
+    toml = project.patches / "upstream.toml"
+    toml.write_text(toml.read_text().replace(project.sha_a, "1" * 64))
+    refused(project, "fetch", needles=("sha256 mismatch", str(project.sdist_a), "nothing extracted"))
+    refused(project, "fetch", "--from", str(project.sdist_b),
+            needles=("sha256 mismatch", str(project.sdist_b), "nothing extracted"))
