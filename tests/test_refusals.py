@@ -236,3 +236,16 @@ def test_sha256_mismatch_stays_a_clear_error(project: Project) -> None:
     refused(project, "fetch", needles=("sha256 mismatch", str(project.sdist_a), "nothing extracted"))
     refused(project, "fetch", "--from", str(project.sdist_b),
             needles=("sha256 mismatch", str(project.sdist_b), "nothing extracted"))
+
+
+# -- 4. backup --pin of another pin ------------------------------------------------------------------
+
+
+def test_backup_as_another_pin_is_refused(project: Project) -> None:
+    """`backup --pin X` on a tree backed up as another pin said "already backed up as ..." and exited 0."""
+    two_patches(project)
+    refused(project, "backup", "--pin", PIN_B, needles=(f"backed up as pin {PIN_A}, not {PIN_B}",
+                                                        f"rebase --to {PIN_B}"))
+    refused(project, "backup", "--pin", "nope", needles=("unknown pin 'nope'",))
+    assert "already backed up" in project.run("backup", "--pin", PIN_A).output
+    assert "already backed up" in project.run("backup", "--pin", PIN_A[:5]).output  # its commit, abbreviated

@@ -82,6 +82,11 @@ def backup_cmd(settings: Settings, pin: str | None, verify: bool, worktree: bool
     with tree_lock(settings):
         if not verify:
             if tree.is_repo() and tree.read_state().get("pin"):
+                if pin and pin != tree.pin and _upstream(settings).pin(pin).name != tree.pin:
+                    raise OpencotiError(
+                        f"{settings.tree} is backed up as pin {tree.pin}, not {pin}: "
+                        f"`{settings.command('rebase --to ' + pin)}` moves it onto {pin}"
+                    )
                 click.echo(f"already backed up as {tree.tag}; use --verify to check it")
                 return
             p = tree.fetched_pin(_upstream(settings), pin)
