@@ -117,7 +117,8 @@ def _normalize(name: str, archive: Path) -> str:
     return "/".join(parts)
 
 
-def _link_escapes(rel: str, target: str) -> bool:
+def link_escapes(rel: str, target: str) -> bool:
+    """Whether a symbolic link at ``rel`` (relative to a root) pointing at ``target`` leaves the root."""
     if target.startswith("/"):
         return True
     joined = posixpath.normpath(posixpath.join(posixpath.dirname(rel), target))
@@ -136,7 +137,7 @@ def _select(
             raise UnsafeArchive(
                 f"{archive.name}: refusing device/special member {info.name!r}; nothing extracted"
             )
-        if info.issym() and _link_escapes(name, info.linkname):
+        if info.issym() and link_escapes(name, info.linkname):
             raise UnsafeArchive(
                 f"{archive.name}: symlink {info.name!r} -> {info.linkname!r} points outside the "
                 "archive; nothing extracted"
@@ -165,7 +166,7 @@ def _select(
         raise OpencotiError(f"{archive.name}: no {where} in the archive; nothing extracted")
     links = {m.rel for m in selected if m.info.issym()}
     for m in selected:
-        if m.info.issym() and _link_escapes(m.rel, m.info.linkname):
+        if m.info.issym() and link_escapes(m.rel, m.info.linkname):
             raise UnsafeArchive(
                 f"{archive.name}: symlink {m.info.name!r} -> {m.info.linkname!r} points outside "
                 f"{subdir or 'the tree'}; nothing extracted"

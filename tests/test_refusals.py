@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from stackutil import PIN_A, PIN_B, Project, upstream_toml
-from test_patchstack import two_patches
+from test_patchstack import _write_patch, two_patches
 
 
 def _git(tree: Path, *args: str) -> str:
@@ -249,3 +249,66 @@ def test_backup_as_another_pin_is_refused(project: Project) -> None:
     refused(project, "backup", "--pin", "nope", needles=("unknown pin 'nope'",))
     assert "already backed up" in project.run("backup", "--pin", PIN_A).output
     assert "already backed up" in project.run("backup", "--pin", PIN_A[:5]).output  # its commit, abbreviated
+
+
+# -- 5. a patch that makes a symbolic link leave the tree --------------------------------------------
+
+
+def _new_link(path: str, target: str) -> str:
+    return (f"diff --git a/{path} b/{path}\nnew file mode 120000\nindex 0000000..1111111\n--- /dev/null\n"
+            f"+++ b/{path}\n@@ -0,0 +1 @@\n+{target}\n\\ No newline at end of file\n")
+
+
+def _retarget(path: str, old: str, new: str) -> str:
+    return (f"diff --git a/{path} b/{path}\nindex 1111111..2222222 120000\n--- a/{path}\n+++ b/{path}\n"
+            f"@@ -1 +1 @@\n-{old}\n\\ No newline at end of file\n+{new}\n\\ No newline at end of file\n")
+
+
+def _renamed(old: str, new: str) -> str:
+    return f"diff --git a/{old} b/{new}\nsimilarity index 100%\nrename from {old}\nrename to {new}\n"
+
+
+ESCAPING_LINKS = {
+    "absolute": (_new_link("src/etc", "/etc"), "src/etc -> '/etc'"),
+    "dotdot": (_new_link("src/up", "../../outside"), "src/up -> '../../outside'"),
+    "deep-dotdot": (_new_link("a/b/c/up", "../../../../x"), "a/b/c/up -> '../../../../x'"),
+    "into-git": (_new_link("hooks", ".git/hooks"), "hooks -> '.git/hooks'"),
+    "retarget": (_retarget("link.md", "README.md", "../../../etc/passwd"),
+                 "link.md -> '../../../etc/passwd'"),
+    "file-to-link": ("diff --git a/README.md b/README.md\nold mode 100644\nnew mode 120000\n",
+                     "README.md"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ESCAPING_LINKS))
+def test_patch_making_a_link_leave_the_tree_is_refused(project: Project, kind: str) -> None:
+    """`apply` accepted a patch creating a symbolic link to /etc or ../..: archives refused such links,
+    patches did not. Refused when the series is read, before anything is written (the good first patch
+    is not applied either)."""
+    two_patches(project)
+    project.run("unapply")
+    body, named = ESCAPING_LINKS[kind]
+    _write_patch(project, "0003-link.patch", body)
+    for args in (("apply",), ("apply", "--dry-run"), ("prepare",), ("check",), ("markers",)):
+        refused(project, *args, needles=("0003-link.patch", named, "refusing"))
+    project.run("apply", "--force", code=1)  # --force does not change it either
+    assert not (project.tree / "src" / "etc").is_symlink() and "applied:  0" in project.run("status").output
+
+
+def test_patch_renaming_a_link_out_of_the_tree_is_refused(project: Project) -> None:
+    """A relative link moved to another folder can point outside the tree: checked against the tree
+    when its patch comes, before git writes anything of that patch."""
+    two_patches(project)
+    (project.patches / "series").write_text("0001-first.patch\n0002-second.patch\n")
+    _write_patch(project, "0003-deep-link.patch", _new_link("a/b/link", "../c.txt"))  # a/c.txt: inside
+    project.run("apply")
+    _write_patch(project, "0004-move.patch", _renamed("a/b/link", "moved-link"))  # ../c.txt from the top
+    refused(project, "apply", needles=("0004-move.patch", "moved-link -> '../c.txt'", "leaves the tree"))
+    refused(project, "apply", "--dry-run", needles=("0004-move.patch", "moved-link -> '../c.txt'"))
+    _write_patch(project, "0005-fine.patch", _new_link("fine", "src/a.c"))  # a link inside is fine
+    _write_patch(project, "0006-move-inside.patch", _renamed("a/b/link", "a/b/link2"))  # (no a/ b/ prefix)
+    (project.patches / "series").write_text("0001-first.patch\n0002-second.patch\n0003-deep-link.patch\n"
+                                            "0005-fine.patch\n0006-move-inside.patch\n")
+    project.run("apply")
+    assert os.readlink(project.tree / "fine") == "src/a.c"
+    assert os.readlink(project.tree / "a" / "b" / "link2") == "../c.txt"

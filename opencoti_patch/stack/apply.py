@@ -24,7 +24,7 @@ from ..errors import CheckFailed, OpencotiError, PatchFailed
 from ..report import render
 from .gitrun import run_git
 from .hunks import check_exact
-from .series import Patch, diff_patch, parse_diff
+from .series import LINK_MODE, CorruptPatch, Patch, diff_patch, link_problem, parse_diff
 from .tree import Tree, TreeDiff, commit_message
 from .upstream import Pin, Upstream, load_upstream, materialize, set_default_pin
 
@@ -110,6 +110,7 @@ def apply_one(tree: Tree, patch: Patch, three_way: bool, index: Path | None = No
     ``resolver`` (worktree only), the conflict blocks of a 3-way merge it can resolve are resolved
     (each one listed in the outcome) and the rest are left with conflict markers."""
     where = ["--cached"] if index is not None else ["--index"]
+    refuse_moved_links(tree, patch, index)
     failure = check_exact(patch, reader(tree, index))
     if failure is None:
         r = tree.git("apply", *where, "--whitespace=nowarn", str(patch.path), index=index, check=False)
@@ -136,6 +137,23 @@ def apply_one(tree: Tree, patch: Patch, three_way: bool, index: Path | None = No
     return Outcome(patch.name, FAILED, [failure.file],
                    f"{failure.reason}; no 3-way merge either: {_three_way_reason(r.err)}",
                    failure.hunk, failure.line)
+
+
+def refuse_moved_links(tree: Tree, patch: Patch, index: Path | None = None) -> None:
+    """A renamed or copied symbolic link keeps its target, which the diff does not show: refuse one
+    that would point outside the tree (or into .git) from its new place (``series._check_link`` checks
+    the links a diff writes)."""
+    read = reader(tree, index)
+    for fp in patch.files:
+        if not fp.rename or fp.old_path is None or fp.new_path is None:
+            continue
+        staged = tree.git("ls-files", "-s", "--", fp.old_path, index=index, check=False).text
+        data = read(fp.old_path) if staged.startswith(LINK_MODE + " ") else None
+        target = data.decode("utf-8", "surrogateescape") if data is not None else None
+        problem = link_problem(fp.new_path, target) if target is not None else None
+        if problem:
+            raise CorruptPatch(f"{patch.name}: refusing {fp.new_path} -> {target!r}: the symbolic link "
+                               f"{fp.old_path} moved there is a link that {problem}")
 
 
 def auto_resolve(tree: Tree, files: list[str], resolver: Resolver
