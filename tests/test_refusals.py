@@ -312,3 +312,45 @@ def test_patch_renaming_a_link_out_of_the_tree_is_refused(project: Project) -> N
     project.run("apply")
     assert os.readlink(project.tree / "fine") == "src/a.c"
     assert os.readlink(project.tree / "a" / "b" / "link2") == "../c.txt"
+
+
+# -- 6. rebase --abort over uncaptured edits -----------------------------------------------------------
+
+
+def _rebase_done(p: Project) -> None:
+    two_patches(p)
+    p.run("rebase", "--to", PIN_B, code=3)
+    p.resolve_conflict("src/a.c", "int line_38 = 383800; // opencoti, rebased")
+    assert "done" in p.run("rebase", "--continue").output
+
+
+def test_rebase_abort_refuses_uncaptured_edits(project: Project) -> None:
+    """After a finished rebase, `rebase --abort` threw uncaptured edits away (exit 0, nothing in
+    rescue/): refused, naming `snapshot` and `--force`, which saves them first as `restore --force` does."""
+    _rebase_done(project)
+    project.edit("src/b.h", "int c(void);", "int c(void);\nint d(void);")
+    (project.tree / "src" / "new.c").write_text("int new_file;\n")
+    assert "uncaptured edits: 2 file(s)" in project.run("status").output
+    refused(project, "rebase", "--abort", needles=("uncaptured work", "2 edited file(s)", "src/b.h",
+                                                   "opencoti-patch snapshot", "--force", "rescue"))
+    out = project.run("rebase", "--abort", "--force").output
+    assert f"back on {PIN_A}" in out and "uncaptured work saved to" in out
+    saved = next((project.root / "work" / "rescue").iterdir())
+    assert "int d(void);" in saved.read_text() and "int new_file;" in saved.read_text()
+    assert "applied:  2" in project.run("status").output and not (project.tree / "src" / "new.c").exists()
+    project.run("snapshot", "--check")
+
+
+def test_rebase_abort_refuses_uncaptured_commits(project: Project) -> None:
+    _rebase_done(project)
+    project.edit("src/b.h", "int c(void);", "int c(void);\nint d(void);")
+    _git(project.tree, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "mine")
+    refused(project, "rebase", "--abort", needles=("1 commit(s) not captured", "--force"))
+
+
+def test_rebase_abort_during_a_conflict_drops_the_resolution(project: Project) -> None:
+    """During a conflict the tree's edits are the conflict being resolved: --abort drops them, as git's."""
+    two_patches(project)
+    project.run("rebase", "--to", PIN_B, code=3)
+    assert f"back on {PIN_A}" in project.run("rebase", "--abort").output
+    project.run("snapshot", "--check")

@@ -271,7 +271,8 @@ refresh_cmd = click.Command(
 @click.option("--skip", is_flag=True, help="Drop the conflicted patch and go on.")
 @click.option("--abort", is_flag=True, help="Go back to the old pin and stack.")
 @click.option("--write-pin", is_flag=True, help="When done, make PIN upstream.toml's default.")
-@click.option("--force", is_flag=True, help="Save uncaptured edits to work/rescue/ first.")
+@click.option("--force", is_flag=True,
+              help="Save uncaptured edits to work/rescue/ first (--to; --abort of a done rebase).")
 @click.option("--no-resolve", is_flag=True,
               help="Leave every conflict to a person (no marker-aware resolution).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
@@ -293,7 +294,9 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
     resolver = None if no_resolve else resolve_conflicts
     with tree_lock(settings):
         if abort:
-            aborted = apply_mod.rebase_abort(tree)
+            aborted = apply_mod.rebase_abort(tree, force)
+            if aborted.get("rescued"):
+                info(f"uncaptured work saved to {aborted['rescued']}")
             click.echo(f"rebase onto {aborted['to']} aborted; back on {aborted['from']} and its stack"
                        + (f"; upstream.toml's default pin is {aborted['default_restored']} again"
                           if aborted.get("default_restored") else ""))

@@ -656,14 +656,19 @@ def _step_done(tree: Tree, patches: list[Patch], state: dict[str, Any], status: 
     return _rebase_run(tree, patches, state, resolver, names_check)
 
 
-def rebase_abort(tree: Tree) -> dict[str, Any]:
+def rebase_abort(tree: Tree, force: bool = False) -> dict[str, Any]:
     """Back to the old pin and stack (also after the last step, until `snapshot` wrote patches/);
-    returns the state that was aborted."""
+    returns the state that was aborted (``rescued``: where ``force`` saved uncaptured work). Once the
+    rebase is done, edits and commits on the rebased stack are the user's: refused unless ``force``
+    (during a conflict the tree's edits are the resolution being aborted)."""
     tree.refuse_interrupted("rebase --abort")
     state = rebase_state(tree)
     if not state:
         raise OpencotiError("no rebase in progress (a rebase ends when `snapshot` has rewritten "
                             "patches/; after that, `rebase --to` the old pin)")
+    if state.get("done"):
+        rescued = tree.guard_clean(f"abort the rebase onto {state['to']}", force)
+        state["rescued"] = str(rescued) if rescued else None
     tree.reset_hard(state["orig"], ignored=True)
     restored = {"commit": state["from_commit"]} if state.get("from_commit") else {}
     tree.write_state(pin=state["from"], dropped=state.get("dropped_before", []), **restored)
