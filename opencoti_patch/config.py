@@ -139,8 +139,8 @@ class Settings:
 
     @property
     def results_dir(self) -> Path:
-        """Where reports go by default: ``<root>/docs/results``."""
-        return self.root / "docs" / "results"
+        """Where reports go by default: ``<work>/results`` (git-ignored; docs/results is curated)."""
+        return self.work_dir / "results"
 
     @property
     def rescue_dir(self) -> Path:

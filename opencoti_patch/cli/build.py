@@ -239,7 +239,7 @@ def _default_pristine_rev(settings: Settings) -> str:
 @click.option("--check", is_flag=True, help="Write nothing; exit 4 when the file is not up to date.")
 @common_options
 def ci_workflow_cmd(settings: Settings, out: Path | None, cuda_arch: str, check: bool) -> None:
-    """Render templates/github-workflow.yml.j2 into ci/github/rebuild.yml (CPU job + CUDA job)."""
+    """Render templates/github-workflow.yml.j2 into .github/workflows/rebuild.yml (CPU job + CUDA job)."""
     path = out or settings.root / WORKFLOW_OUT
     changed = write_workflow(path, settings.templates_dirs, cuda_arch=cuda_arch, check=check)
     click.echo(f"{path}: {'written' if changed else 'up to date'}")
