@@ -270,6 +270,8 @@ def check_cmd(ctx: click.Context, settings: Settings, targets: tuple[str, ...], 
     tree = Tree(settings)
     tree.require()
     patches = load_series(settings.patches_dir)
+    if not patches:
+        raise OpencotiError(f"nothing to check: {settings.series_file} lists no patch")
     opts = BuildOptions(targets=_targets(targets, LIB_TARGETS[:4]), optional_targets=(), cuda=bool(cuda),
                         cuda_arch=cuda_arch, cpu_variant=cpu_variant, ccache=not no_ccache, jobs=jobs,
                         extra_cmake=(*CHECK_CMAKE, *cmake_args))
