@@ -75,8 +75,9 @@ def backup_cmd(settings: Settings, pin: str | None, verify: bool, worktree: bool
     """Make the fetched tree a git repo whose first commit is upstream exactly.
 
     Every file is added (regardless of the tree's .gitignore), the commit is tagged
-    `upstream/<pin>` and a per-file sha256 manifest is written to .git/opencoti/. With --verify,
-    check the stored upstream against the manifest (exit 4 on any difference).
+    `upstream/<pin>` and a per-file sha256 manifest is written to .git/opencoti/, with the pin's
+    identity (its llama.cpp commit, or its release and archive sha256). With --verify, check the
+    stored upstream against the manifest (exit 4 on any difference).
     """
     tree = Tree(settings)
     with tree_lock(settings):
@@ -86,16 +87,18 @@ def backup_cmd(settings: Settings, pin: str | None, verify: bool, worktree: bool
                 return
             p = tree.fetched_pin(_upstream(settings), pin)
             commit = tree.create_backup(p)
-            click.echo(f"backed up {settings.tree} as {p.tag} ({commit[:12]}), manifest "
-                       f"{tree.manifest_path(p.name)}")
+            click.echo(f"backed up {settings.tree} as {p.tag} ({commit[:12]}; {p.identity['identity']}), "
+                       f"manifest {tree.manifest_path(p.name)}")
             return
         tree.require()
         problems = tree.verify_backup()
         diff = tree.verify_worktree() if worktree else None
-        data = {"pin": tree.pin, "backup_ok": not problems, "problems": problems,
+        identity = tree.identity()
+        data = {"pin": tree.pin, "identity": identity, "backup_ok": not problems, "problems": problems,
                 "worktree": None if diff is None else diff.__dict__}
-        text = (f"backup {tree.tag}: " + ("intact (every file matches its sha256)" if not problems
-                                           else "DAMAGED: " + "; ".join(problems)))
+        verdict = ("intact (every file matches its sha256)" if not problems
+                   else "DAMAGED: " + "; ".join(problems))
+        text = f"backup {tree.tag} ({identity['identity']}): {verdict}"
         if diff is not None:
             text += "\nworktree: " + ("pristine" if diff.clean else f"differs: {diff.summary()}")
         emit(data, as_json, text)
@@ -197,7 +200,8 @@ def unapply_cmd(settings: Settings, count: int | None, force: bool, dry_run: boo
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @common_options
 def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
-    """Show the pin, backup state, applied/unapplied patches and uncaptured edits."""
+    """Show the pin and its identity (llama.cpp commit, or release + archive sha256), backup state,
+    applied/unapplied patches and uncaptured edits."""
     data = status_data(settings, verify)
     emit(data, as_json, render(settings.templates_dirs, "status.txt.j2", cmd=settings.command, **data))
 

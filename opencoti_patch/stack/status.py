@@ -21,13 +21,14 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
     data: dict[str, Any] = {"tree": str(settings.tree), "exists": tree.exists(), "pin": None,
                             "project_pin": project_pin, "backup": "none", "applied": [],
                             "unapplied": [], "uncaptured_commits": [], "dirty": [],
-                            "interrupted": False, "rebase": None}
+                            "interrupted": False, "rebase": None, "identity": None}
     series = read_series(settings.patches_dir)
     if not tree.exists() or not tree.is_repo() or not tree.read_state().get("pin"):
         data["backup"] = f"none (run `{settings.command('backup')}`)" if tree.exists() else "none"
         data["unapplied"] = series
         return data
     data["pin"] = tree.pin
+    data["identity"] = tree.identity()
     if tree.rev(tree.tag) is None:
         data["backup"] = f"DAMAGED: tag {tree.tag} missing"
         return data

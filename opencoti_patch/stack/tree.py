@@ -52,7 +52,7 @@ from ..errors import CheckFailed, LockBusy, OpencotiError
 from ..report import info
 from .gitrun import GitResult, isolated_env
 from .series import FIELD_RE, PatchHeader
-from .upstream import Pin, Upstream, materialize, sha256_file
+from .upstream import Pin, Upstream, identity_text, materialize, sha256_file
 
 ATTRIBUTES = "* -text -filter -ident -working-tree-encoding\n"
 REPO_CONFIG = {
@@ -381,13 +381,14 @@ class Tree:
             self.git("add", "--force", "--all", "--", ".", index=index, work_tree=src)
             tree = self.git("write-tree", index=index, work_tree=src).text.strip()
         uname, uemail = UPSTREAM_AUTHOR
-        message = f"upstream {pin.name} (llama.cpp {pin.commit})\n"
+        message = f"upstream {pin.name} ({pin.identity['identity']})\n"
         if pin.description:
             message += f"\n{pin.description}\n"
         commit = self.commit_tree(tree, [], message, f"{uname} <{uemail}>")
         self.git("tag", "--force", pin.tag, commit)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        manifest = {"pin": pin.name, "commit": pin.commit, "tree": tree, "upstream_commit": commit,
+        manifest = {"pin": pin.name, "commit": pin.commit, "release": pin.release,
+                    "archive_sha256": pin.archive_sha256, "tree": tree, "upstream_commit": commit,
                     "files": files}
         self.manifest_path(pin.name).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         problems = self.verify_backup(pin.name)
@@ -409,6 +410,17 @@ class Tree:
         self.git("read-tree", commit)  # index = upstream; the worktree already is
         self.write_state(pin=pin.name, commit=pin.commit)
         return commit
+
+    def identity(self, pin: str | None = None) -> dict[str, str | None]:
+        """What the stored upstream of ``pin`` (default: the tree's) is: its llama.cpp commit, or its
+        release and archive sha256 (recorded in its backup manifest), and that in words."""
+        name = pin or self.pin
+        path = self.manifest_path(name)
+        manifest = json.loads(path.read_text()) if path.is_file() else {}
+        commit = manifest.get("commit", self.read_state().get("commit") if name == self.pin else None)
+        release, sha = manifest.get("release"), manifest.get("archive_sha256")
+        return {"pin": name, "commit": commit, "release": release, "archive_sha256": sha,
+                "identity": identity_text(commit, release, sha) if commit or release else "unknown"}
 
     def commit_tree(self, tree: str, parents: list[str], message: str, author: str) -> str:
         name, email = split_author(author)
