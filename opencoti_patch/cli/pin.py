@@ -18,7 +18,8 @@ from .options import common_options, emit
 
 @click.group("pin")
 def pin_group() -> None:
-    """The pinned upstream trees of upstream.toml: add one (`pin add`), list them (`pin list`)."""
+    """The pinned upstream trees of upstream.toml: add one (`pin add`), list them (`pin list`), export
+    an older pin's series (`pin series`)."""
 
 
 @pin_group.command("add")
@@ -118,6 +119,45 @@ def pin_list_cmd(settings: Settings, as_json: bool) -> None:
     upstream = load_upstream(settings.upstream_file, settings.command)
     rows = pins_mod.pin_rows(upstream)
     emit({"default": upstream.default, "pins": rows}, as_json, pins_mod.format_rows(rows))
+
+
+@pin_group.command("series")
+@click.argument("name")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              help="Where to export it (default: <work-dir>/series/NAME; an earlier export is replaced).")
+@click.option("--record", "rev", metavar="REV",
+              help="Record this project commit as the pin's series instead (its patches/ must hold a series "
+                   "whose default pin was NAME).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@common_options
+def pin_series_cmd(settings: Settings, name: str, out: Path | None, rev: str | None, as_json: bool) -> None:
+    """Export the patch series of an older pin NAME into a folder, to use it with --patches-dir.
+
+    patches/ holds the series of the default pin only. When a rebase's snapshot moves the default on,
+    it records in the old pin's table `series = "COMMIT"`: the project commit whose patches/ fit that
+    pin (when patches/ was committed; else `--record REV` records one). This command writes patches/
+    of that commit (checked: its series is whole and was written against NAME) into a folder with
+    the current upstream.toml (default: NAME), for `--patches-dir DIR` (or OPENCOTI_PATCHES=DIR) and
+    a tree of its own (`--tree`).
+    """
+    if rev is not None:
+        if out is not None:
+            raise click.UsageError("--record and --out are exclusive")
+        commit = pins_mod.record_series(settings, name, rev)
+        emit({"pin": name, "series": commit}, as_json,
+             f"pin {name}: series = \"{commit}\" recorded in {settings.upstream_file}")
+        return
+    export = pins_mod.export_series(settings, name, out)
+    if export.default:
+        emit(export.as_dict(), as_json, f"{export.pin} is upstream.toml's default pin: {export.out} holds "
+                                        f"its series ({len(export.patches)} patch(es)); nothing to export")
+        return
+    tree = settings.work_dir / f"llama.cpp-{export.pin}"
+    text = (f"exported the series of pin {export.pin} ({len(export.patches)} patch(es): patches/ of the "
+            f"project at {export.commit[:12]}) to {export.out}\n"
+            f"next: `{settings.command(f'prepare --patches-dir {export.out} --tree {tree}')}` (every command "
+            f"takes the same --patches-dir and --tree, or OPENCOTI_PATCHES / OPENCOTI_TREE)")
+    emit(export.as_dict(), as_json, text)
 
 
 COMMANDS = [pin_group]

@@ -25,6 +25,7 @@ from typing import Any
 from ..config import DEFAULT_AUTHOR, Settings
 from ..errors import CheckFailed, OpencotiError
 from .apply import CLEAN, apply_one, finish_rebase, rebase_state, rebase_waiting, scratch_index
+from .pins import committed_series, keep_old_series
 from .series import (
     PatchHeader,
     check_name,
@@ -77,6 +78,7 @@ class SnapshotResult:
     skipped: list[str] = field(default_factory=list)  # set aside in patches/skipped/ (a rebase skipped them)
     rebased_onto: str | None = None  # the done rebase this snapshot finished
     default_pin: str | None = None  # "NEW (was OLD)" when it moved upstream.toml's default to NEW
+    old_series: str | None = None  # what became of the series the rebase's old pin had (pins.keep_old_series)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -221,12 +223,16 @@ def snapshot(
                               | ({"series"} if result.series != series else set()))
         return result
     final_tree = entries[-1].tree if entries else _tree_of(tree, tree.tag)
+    # the series patches/ holds now fits the rebase's old pin: the project commit that holds it, if any
+    old_head = committed_series(tree.settings.patches_dir, rebasing["from"]) if rebasing else None
     _stage_prove_and_swap(tree, rendered, result, final_tree, verify, rebasing)
     _rewrite_commits(tree, [e for e, _ in rendered])
     finished = finish_rebase(tree)
     if finished:
         result.rebased_onto = str(finished["to"])
         result.default_pin = _follow_default(tree, result.rebased_onto)
+        if finished["from"] in load_upstream(tree.settings.upstream_file).pins:
+            result.old_series = keep_old_series(tree.settings, str(finished["from"]), old_head)
     return result
 
 
@@ -399,6 +405,8 @@ def summary(result: SnapshotResult, patches_dir: Path) -> str:
     if result.default_pin:
         lines.append(f"upstream.toml: default pin is now {result.default_pin}, the upstream the patches "
                      "apply to")
+    if result.old_series:
+        lines.append(result.old_series)
     if result.marked:
         lines.append(f"markers added in {', '.join(result.marked)}: capture them with `snapshot --top`")
     return "\n".join(lines)

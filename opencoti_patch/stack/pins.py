@@ -21,6 +21,7 @@ import json
 import os
 import posixpath
 import re
+import shutil
 import tarfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,10 +31,11 @@ from urllib.parse import urljoin
 
 import requests
 
-from ..config import Settings
+from ..config import SERIES_FILE, UPSTREAM_FILE, Settings
 from ..errors import OpencotiError
 from ..report import info
 from .gitrun import run_git
+from .series import read_series
 from .upstream import (
     LLAMA_CPP_GIT,
     Source,
@@ -444,7 +446,7 @@ def pin_rows(upstream: Upstream) -> list[dict[str, Any]]:
         rows.append({"name": pin.name, "default": pin.name == upstream.default, "commit": pin.commit,
                      "release": pin.release, "archive_sha256": pin.archive_sha256,
                      "identity": pin.identity["identity"], "description": pin.description,
-                     "sources": sources})
+                     "series": pin.series, "sources": sources})
     return rows
 
 
@@ -466,6 +468,9 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             lead = (f"{mark} {r['name']:<{width}}  {_row_id(r):<{cwidth}}" if i == 0
                     else " " * (width + cwidth + 4))
             out.append(f"{lead}  {s['kind']} {where}{extra}")
+        if r.get("series"):
+            pad = " " * (width + cwidth + 4)
+            out.append(f"{pad}  series: patches/ of the project at {r['series'][:12]}")
     out.append("(* = default)")
     if any(not r["commit"] for r in rows):
         out.append("(release R: no llama.cpp commit recorded; identified by the release and the sha256 of "
@@ -476,3 +481,215 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 def announce(pin: NewPin) -> None:
     for note in pin.notes:
         info(f"note: {note}")
+
+
+# -- the series of an older pin: a commit of the project whose patches/ fit it ------------------
+
+SERIES_KEY = "series"
+EXPORT_MARK = ".opencoti-export"
+
+
+@dataclass(frozen=True)
+class ProjectRepo:
+    """The git repository of the project that holds patches/ (``rel``: patches/ inside it)."""
+
+    top: Path
+    rel: str
+
+    def git(self, *args: str) -> Any:
+        return run_git(self.top, *args)
+
+    def commit(self, rev: str) -> str | None:
+        r = self.git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+        return r.text.strip() or None if r.rc == 0 else None
+
+    def files(self, rev: str) -> dict[str, bytes]:
+        """Every file under patches/ at ``rev``, by its path inside patches/."""
+        listing = self.git("ls-tree", "-r", "-z", "--name-only", rev, "--", f"{self.rel}/").text
+        out: dict[str, bytes] = {}
+        for path in filter(None, listing.split("\0")):
+            blob = self.git("cat-file", "blob", f"{rev}:{path}").out
+            out[path[len(self.rel) + 1:]] = blob if isinstance(blob, bytes) else blob.encode()
+        return out
+
+
+def project_repo(patches_dir: Path) -> ProjectRepo | None:
+    """The project's git repository around ``patches_dir`` (None: the project is not in one)."""
+    if not patches_dir.is_dir():
+        return None
+    r = run_git(patches_dir, "rev-parse", "--show-toplevel")
+    if r.rc != 0 or not r.text.strip():
+        return None
+    top = Path(r.text.strip()).resolve()
+    return ProjectRepo(top, patches_dir.resolve().relative_to(top).as_posix())
+
+
+def _listed(series: bytes) -> list[str]:
+    """The patch names a series file lists (as ``read_series`` reads them: comments and blanks out)."""
+    lines = series.decode("utf-8", "replace").splitlines()
+    return [name for ln in lines if (name := ln.split("#", 1)[0].strip())]
+
+
+def _series_of(files: dict[str, bytes]) -> dict[str, bytes]:
+    """``series`` and the patch files it lists, from ``files`` (the files of a patches/ folder)."""
+    series = files.get(SERIES_FILE)
+    if series is None:
+        return {}
+    return {SERIES_FILE: series} | {n: files[n] for n in _listed(series) if n in files}
+
+
+def _disk_series(patches_dir: Path) -> dict[str, bytes]:
+    if not (patches_dir / SERIES_FILE).is_file():
+        return {}
+    names = read_series(patches_dir)
+    return {SERIES_FILE: (patches_dir / SERIES_FILE).read_bytes()} | {
+        n: (patches_dir / n).read_bytes() for n in names if (patches_dir / n).is_file()}
+
+
+def series_problem(repo: ProjectRepo, rev: str, pin: str) -> str | None:
+    """Why commit ``rev`` of the project cannot be the series of ``pin`` (None: it can): patches/ there
+    has no series, misses a patch it lists, or was written against another pin (its default)."""
+    files = repo.files(rev)
+    if SERIES_FILE not in files:
+        return f"{repo.rel}/{SERIES_FILE} is not in commit {rev[:12]}"
+    missing = [n for n in _listed(files[SERIES_FILE]) if n not in files]
+    if missing:
+        return f"commit {rev[:12]}'s series lists {', '.join(missing)}, which it does not hold"
+    if UPSTREAM_FILE not in files:
+        return f"{repo.rel}/{UPSTREAM_FILE} is not in commit {rev[:12]}"
+    try:
+        default = parse_upstream(files[UPSTREAM_FILE].decode("utf-8"), Path(UPSTREAM_FILE)).default
+    except OpencotiError as exc:
+        return f"commit {rev[:12]}: {exc.message}"
+    if default != pin:
+        return (f"at commit {rev[:12]} the default pin was {default}, not {pin}: its patches/ were written "
+                f"against {default}")
+    return None
+
+
+def committed_series(patches_dir: Path, pin: str) -> str | None:
+    """The project's HEAD when it holds exactly the series on disk (the series file and every patch it
+    lists, byte for byte) written against ``pin``; None otherwise (no repository, uncommitted edits)."""
+    repo = project_repo(patches_dir)
+    head = repo.commit("HEAD") if repo else None
+    if repo is None or head is None:
+        return None
+    disk = _disk_series(patches_dir)
+    if not disk or _series_of(repo.files(head)) != disk or series_problem(repo, head, pin):
+        return None
+    return head
+
+
+def set_pin_key(path: Path, name: str, key: str, value: str) -> None:
+    """Set ``key = "value"`` in the table ``[pins.NAME]`` of upstream.toml, keeping everything else
+    (replaced where it is, else put after the table's other keys); the new text is parsed first."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    spans = _pin_spans([ln.rstrip("\n") for ln in lines], name)
+    if not spans:
+        raise OpencotiError(f"{path.name}: no [pins.{toml_key(name)}] table")
+    start = spans[0][0]
+    end = next((i for i in range(start + 1, len(lines)) if HEADER_RE.match(lines[i])), len(lines))
+    entry = f"{key} = {toml_string(value)}\n"
+    at = next((i for i in range(start + 1, end) if lines[i].split("=", 1)[0].strip() == key), None)
+    if at is not None:
+        lines[at] = entry
+    else:
+        keys = [i for i in range(start, end) if lines[i].strip() and not lines[i].lstrip().startswith("#")]
+        last = max(keys, default=start)
+        lines.insert(last + 1, entry)
+    text = "".join(lines)
+    parse_upstream(text, path)
+    tmp = path.with_name(f".{path.name}.new")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def record_series(settings: Settings, pin: str, rev: str) -> str:
+    """Record commit ``rev`` of the project as the series of ``pin`` (checked: it holds a series
+    written against ``pin``); returns the full commit id."""
+    upstream = load_upstream(settings.upstream_file, settings.command)
+    if pin not in upstream.pins:
+        raise OpencotiError(f"unknown pin {pin!r} (known: {', '.join(sorted(upstream.pins))})")
+    repo = project_repo(settings.patches_dir)
+    if repo is None:
+        raise OpencotiError(f"{settings.patches_dir} is not in a git repository: a pin's series is a commit "
+                            "of the project that holds it")
+    commit = repo.commit(rev)
+    if commit is None:
+        raise OpencotiError(f"--record {rev}: no such commit in {repo.top}")
+    problem = series_problem(repo, commit, pin)
+    if problem:
+        raise OpencotiError(f"--record {rev}: {problem}")
+    set_pin_key(settings.upstream_file, pin, SERIES_KEY, commit)
+    return commit
+
+
+def keep_old_series(settings: Settings, pin: str, head: str | None) -> str:
+    """After a rebase's snapshot moved patches/ off ``pin``: record ``head`` (the project commit holding
+    the series ``pin`` had, found before the snapshot) as ``pin``'s series; says what it did."""
+    command = settings.command
+    if head is not None:
+        set_pin_key(settings.upstream_file, pin, SERIES_KEY, head)
+        return (f"pin {pin} keeps its series: series = \"{head[:12]}\" in upstream.toml (the project commit "
+                f"holding it; `{command('pin series ' + pin)}` exports it)")
+    recorded = load_upstream(settings.upstream_file).pins[pin].series
+    if recorded:
+        return f"pin {pin}'s series stays at the project commit {recorded[:12]} (series in upstream.toml)"
+    return (f"note: pin {pin}'s series (patches/ before this snapshot) is not a commit of the project, so "
+            f"no pin names it now; to keep {pin} usable, record a commit holding it: "
+            f"`{command(f'pin series {pin} --record REV')}`")
+
+
+@dataclass
+class SeriesExport:
+    pin: str
+    commit: str
+    out: str
+    patches: list[str]
+    default: bool = False  # the pin is upstream.toml's default: patches/ is its series (nothing exported)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def export_series(settings: Settings, name: str, out: Path | None = None) -> SeriesExport:
+    """Write the series of pin ``name`` (patches/ at the project commit its ``series`` names, checked
+    again) into ``out`` (default ``<work>/series/<pin>``), with the current upstream.toml whose default
+    is that pin: a patches folder for ``--patches-dir`` / ``OPENCOTI_PATCHES``."""
+    upstream = load_upstream(settings.upstream_file, settings.command)
+    pin = upstream.pin(name)
+    dest = (out or settings.work_dir / "series" / pin.name).resolve()
+    if pin.series is None:
+        if pin.name == upstream.default:
+            here = settings.patches_dir
+            return SeriesExport(pin.name, "", str(here), read_series(here), default=True)
+        raise OpencotiError(f"pin {pin.name} names no series (no `series = \"COMMIT\"` in its table): record "
+                            f"a project commit whose patches/ fit it with "
+                            f"`{settings.command(f'pin series {pin.name} --record REV')}`")
+    repo = project_repo(settings.patches_dir)
+    if repo is None:
+        raise OpencotiError(f"{settings.patches_dir} is not in a git repository, so commit {pin.series[:12]} "
+                            f"(the series of pin {pin.name}) cannot be read")
+    commit = repo.commit(pin.series)
+    if commit is None:
+        raise OpencotiError(f"commit {pin.series} (the series of pin {pin.name}) is not in {repo.top} (a "
+                            "shallow clone? `git fetch --unshallow`)")
+    problem = series_problem(repo, commit, pin.name)
+    if problem:
+        raise OpencotiError(f"the series of pin {pin.name}: {problem}")
+    if dest.exists() and any(dest.iterdir()) and not (dest / EXPORT_MARK).is_file():
+        raise OpencotiError(f"{dest} exists and is not an export of a pin's series; pick another --out")
+    files = {k: v for k, v in repo.files(commit).items() if k != UPSTREAM_FILE}
+    staging = dest.with_name(f".{dest.name}.new")
+    shutil.rmtree(staging, ignore_errors=True)
+    for rel, data in files.items():
+        (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+        (staging / rel).write_bytes(data)
+    staging.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(settings.upstream_file, staging / UPSTREAM_FILE)
+    set_default_pin(staging / UPSTREAM_FILE, pin.name)
+    (staging / EXPORT_MARK).write_text(f"the series of pin {pin.name}: {repo.rel}/ at {commit}\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging.rename(dest)
+    return SeriesExport(pin.name, commit, str(dest), read_series(dest))

@@ -43,7 +43,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ARCHIVE_KINDS = ("sdist", "tarball")
-PIN_KEYS = {"commit", "release", "description", "strip", "sources"}
+PIN_KEYS = {"commit", "release", "description", "strip", "sources", "series"}
 LLAMA_CPP_GIT = "https://github.com/ggml-org/llama.cpp"
 KINDS = (*ARCHIVE_KINDS, "git", "dir")
 CHUNK = 1 << 20
@@ -91,6 +91,7 @@ class Pin:
     strip: tuple[str, ...] = ()
     sources: tuple[Source, ...] = field(default_factory=tuple)
     release: str | None = None  # upstream's release tag (e.g. b11434), when known
+    series: str | None = None  # the project commit whose patches/ fit this pin (once the default moved on)
 
     @property
     def tag(self) -> str:
@@ -205,6 +206,7 @@ def parse_upstream(text: str, path: Path, command: Callable[[str], str] = plain_
             strip=tuple(raw.get("strip", ())),
             sources=sources,
             release=str(raw["release"]) if "release" in raw else None,
+            series=str(raw["series"]) if "series" in raw else None,
         )
         if pin.commit is None and pin.archive_sha256 is None:
             raise OpencotiError(f"{where}: a pin without a commit is identified by its release and its "
