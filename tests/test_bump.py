@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from stackutil import PIN_A, PIN_B, Project
@@ -88,3 +89,119 @@ def test_an_uncommitted_series_is_named_not_lost(project: Project) -> None:
     assert f"pin series {PIN_A} --record REV" in out
     out = project.run("pin", "series", PIN_A, code=1).output
     assert f"pin {PIN_A} names no series" in out and "--record REV" in out
+
+
+# -- the bump loop: `bump PIN` and `ci/rebuild.sh --to PIN`, run again after each stop -------------------
+
+
+def test_bump_goes_on_from_where_it_stopped(project: Project) -> None:
+    two_patches(project)
+    out = project.run("bump", PIN_B, code=3).output
+    assert "rebase bbb2222 -> bbb2222" not in out and f"rebase {PIN_A} -> {PIN_B}" in out
+    assert "conflicted" in out and "run this again (`opencoti-patch bump bbb2222`" in out
+    out = project.run("bump", PIN_B, code=1).output  # nothing resolved yet
+    assert "conflict markers remain in src/a.c" in out and out.count("\n") == 1
+    out = project.run("prepare", code=1).output  # never "remove the tree" during a rebase
+    assert "rebase onto bbb2222 is in progress" in out and "remove the tree" not in out
+    project.resolve_conflict("src/a.c", "int line_38 = 383800; // opencoti, rebased")
+    out = project.run("bump", PIN_B).output
+    assert "rebase --continue (0002-second.patch, as resolved in the tree)" in out
+    assert "snapshot: patches/ written against bbb2222" in out and "default pin is now bbb2222" in out
+    assert "done: patches/ is written against bbb2222" in out
+    status = json.loads(project.run("status", "--json").output)
+    assert status["pin"] == PIN_B and status["rebase"] is None and not status["dirty"]
+    out = project.run("bump", PIN_B).output  # again: nothing to move
+    assert "carries patches/, written against it" in out
+    project.edit("src/b.h", "int c(void);", "int c(void); // a fix after check")
+    out = project.run("bump", PIN_B, code=1).output
+    assert "uncaptured work (src/b.h)" in out and "snapshot --into NNNN-name.patch" in out
+    assert out.count("\n") == 1
+
+
+def test_bump_from_no_tree_and_a_rebase_elsewhere(project: Project, tmp_path: Path) -> None:
+    project.run("bump", PIN_A)  # no tree: the default pin fetched and backed up; it is the pin already
+    assert json.loads(project.run("status", "--json").output)["pin"] == PIN_A
+    project.edit("src/a.c", "int line_38 = 38;", "int line_38 = 3838; // opencoti")
+    project.run("snapshot", "--new", "only")
+    project.run("rebase", "--to", PIN_B, code=3)
+    out = project.run("bump", "ccc", code=1).output
+    assert "unknown pin 'ccc'" in out
+    toml = project.patches / "upstream.toml"
+    toml.write_text(toml.read_text() + '\n[pins.ccc]\ncommit = "ccc3333"\n\n[[pins.ccc.sources]]\n'
+                    f'kind = "dir"\npath = "{tmp_path}"\n')
+    out = project.run("bump", "ccc", code=1).output
+    assert "a rebase onto bbb2222 is in progress" in out and "rebase --abort" in out
+
+
+STUB = """#!/usr/bin/env bash
+# opencoti-patch for the pipeline test: the stack commands are the real ones, the build stages stubs
+echo "$*" >> "$STUB_CALLS"
+case "$1" in
+    check) echo '{"ok": true, "steps": []}'; exit "${STUB_CHECK_RC:-0}" ;;
+    verify-identical) exit 0 ;;
+    rebuild)
+        case " $* " in
+            *" selfcheck "*)
+                bin=$OPENCOTI_WORK/build/selfcheck/build/bin; mkdir -p "$bin"
+                printf '#!/bin/sh\\necho "9 checks, 0 failed"\\n' > "$bin/test-sparse-attn"
+                printf '#!/bin/sh\\nfor i in $(seq 32); do echo "llama hd=64 K=f16 kv-$i OK"; done\\n' \\
+                    > "$bin/test-sparse-attn-kv"
+                chmod +x "$bin"/test-* ;;
+            *)
+                build=$OPENCOTI_WORK/verify-cpu/patched/build; mkdir -p "$build"
+                echo '{}' > "$build/opencoti-build-manifest.json"
+                echo '# stub' > "$build/opencoti-build-manifest.md" ;;
+        esac
+        exit 0 ;;
+esac
+exec "$STUB_REAL" "$@"
+"""
+
+
+def pipeline(p: Project, tmp_path: Path, pin: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``ci/rebuild.sh --to PIN`` on the project, the build stages stubbed (``STUB``)."""
+    stub = tmp_path / "stub-opencoti"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    real = Path(sys.executable).parent / "opencoti-patch"
+    log = tmp_path / "calls"
+    full = {**os.environ, "OPENCOTI": str(stub), "STUB_REAL": str(real), "STUB_CALLS": str(log),
+            "OPENCOTI_WORK": str(p.root / "work"), "OPENCOTI_ROOT": str(p.root), **env}
+    return subprocess.run(["bash", str(ROOT / "ci" / "rebuild.sh"), "--to", pin], cwd=p.root, env=full,
+                          capture_output=True, text=True)
+
+
+def calls(tmp_path: Path) -> list[str]:
+    path = tmp_path / "calls"
+    commands = [line.split()[0] for line in path.read_text().splitlines()] if path.is_file() else []
+    path.unlink(missing_ok=True)
+    return commands
+
+
+def test_rebuild_to_pin_continues_after_a_resolution(project: Project, tmp_path: Path) -> None:
+    """The conflict stop (exit 3, the report and the conflicted file), a resolution in the tree, the same
+    command again: it continues the rebase, writes the patches, checks the series patch by patch and
+    reaches the C++ tests, verify and the rebuild."""
+    two_patches(project)
+    first = pipeline(project, tmp_path, PIN_B)
+    assert first.returncode == 3, first.stdout + first.stderr
+    assert f"resolve in {project.tree}, then run ci/rebuild.sh --to {PIN_B} again" in first.stderr
+    bump_dir = project.root / "work" / "artifacts" / f"bump-{PIN_B}"
+    assert "<<<<<<<" in (bump_dir / "conflicted" / "src" / "a.c").read_text()
+    assert "conflicted     0002-second.patch" in (bump_dir / "rebase.txt").read_text()
+    assert "check" not in calls(tmp_path)
+    project.resolve_conflict("src/a.c", "int line_38 = 383800; // opencoti, rebased")
+    second = pipeline(project, tmp_path, PIN_B)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert [c for c in calls(tmp_path) if c != "pin"] == ["bump", "check", "rebuild", "verify-identical",
+                                                          "rebuild"]
+    for stage in ("bump", "check", "optests", "verify", "rebuild", "publish"):
+        assert f"stage {stage}: ok" in second.stdout
+    assert f"bump onto {PIN_B} done" in second.stdout
+    assert "resolved       0002-second.patch" in (bump_dir / "rebase.txt").read_text()
+    assert json.loads(project.run("pin", "list", "--json").stdout)["default"] == PIN_B
+    project.run("snapshot", "--check")
+    # a patch that does not build: the stop names what to do, and nothing asks to delete the tree
+    failed = pipeline(project, tmp_path, PIN_B, STUB_CHECK_RC="4")
+    assert failed.returncode == 4 and "snapshot --into NNNN-name.patch" in failed.stderr
+    assert "remove the tree" not in failed.stdout + failed.stderr

@@ -297,6 +297,7 @@ def check_cmd(ctx: click.Context, settings: Settings, targets: tuple[str, ...], 
         tests = ", ".join(f"{t.check}: {'ok' if t.ok else 'FAILED'}" for t in step.tests) or "no Test: line"
         lines.append(f"  {'ok' if step.ok else 'FAILED':<7} {step.patch}  ({tests})"
                      + (f"\n          {step.error.splitlines()[0]}" if step.error else ""))
+        lines += [f"          at {where}" for where in step.where]
         failed = [t for t in step.tests if not t.ok]
         if failed:
             lines += [f"          {ln}" for ln in failed[0].output_tail.splitlines()[-10:]]
@@ -308,7 +309,8 @@ def check_cmd(ctx: click.Context, settings: Settings, targets: tuple[str, ...], 
         if not step.applied:
             raise PatchFailed(f"check: {step.patch} {step.error}")
         why = step.error.splitlines()[0] if step.error else "a test failed"
-        raise CheckFailed(f"check: {step.patch} failed ({why})")
+        at = f"; at {'; '.join(step.where)}" if step.where else ""
+        raise CheckFailed(f"check: {step.patch} failed ({why}{at})")
     if data.get("verify") and not data["verify"]["ok"]:
         raise CheckFailed(f"check: verify-identical: {data['verify']['error']}")
 
