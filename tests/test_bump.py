@@ -205,3 +205,25 @@ def test_rebuild_to_pin_continues_after_a_resolution(project: Project, tmp_path:
     failed = pipeline(project, tmp_path, PIN_B, STUB_CHECK_RC="4")
     assert failed.returncode == 4 and "snapshot --into NNNN-name.patch" in failed.stderr
     assert "remove the tree" not in failed.stdout + failed.stderr
+
+
+def test_markers_before_the_rebases_snapshot_says_to_snapshot_first(project: Project) -> None:
+    """After a rebase whose conflict was resolved by hand, patches/ still holds the patch as it was
+    against A: the audit of the tree fails, and says that the snapshot comes first."""
+    begin, end = "// UPSTREAM_SYNC(sparse-attn): begin\n", "// UPSTREAM_SYNC(sparse-attn): end\n"
+    project.prepared()
+    project.edit("src/a.c", "int line_38 = 38;\n", f"{begin}int line_38 = 3838;\n{end}")
+    project.run("snapshot", "--new", "region", "--feature", "sparse-attn")
+    project.run("markers", "--tree", str(project.tree))
+    project.run("rebase", "--to", PIN_B, code=3)
+    text = (project.tree / "src" / "a.c").read_text()
+    start, stop = text.index("<<<<<<<"), text.index(">>>>>>>")
+    stop = text.index("\n", stop) + 1
+    resolved = f"{begin}int line_38 = 383800;\n{end}"
+    (project.tree / "src" / "a.c").write_text(text[:start] + resolved + text[stop:])
+    project.run("rebase", "--continue")
+    out = project.run("markers", "--tree", str(project.tree), code=4).output
+    assert "does not carry patches/ (a rebase onto bbb2222 is not finished" in out
+    assert "run `opencoti-patch snapshot" in out and "` first" in out and "then `markers` again" in out
+    project.run("snapshot")
+    project.run("markers", "--tree", str(project.tree))

@@ -114,6 +114,10 @@ def test_clean_merge_naming_a_removed_identifier_stops_the_rebase_and_lists_it(n
     assert lines[first - 1:last] == REGION.strip("\n").split("\n")  # git's merge, staged in the tree
     status = named.run("status").stdout
     assert "0001-region.patch conflicted in src/a.c (names-clean-merge" in status
+    # status lists each region the names check stopped at, as the rebase did
+    assert (f"          left src/a.c:{first}-{last} (names-clean-merge): our region names 'use_kv_cur'"
+            in status) and "port each region listed" in status
+    assert json.loads(named.run("status", "--json").stdout)["rebase"]["left"] == outcome["left"]
     named.run("rebase", "--abort")
     out = named.run("rebase", "--to", PIN_B, code=3).stdout
     assert f"left          src/a.c:{first}-{last} (names-clean-merge): our region names 'use_kv_cur'" in out

@@ -176,7 +176,7 @@ def _entries(tree: Tree, new: NewPatch, top: bool) -> tuple[list[Entry], str | N
     outside = sorted(_changed_paths(tree, top_entry.tree, final) - own)
     if outside:
         raise OpencotiError(
-            f"the edits touch files the top patch {top_entry.name} does not ({', '.join(outside[:5])}); "
+            f"the edits touch files the top patch {top_entry.name} does not ({', '.join(outside)}); "
             "use `snapshot --top` to fold them in anyway, or `--new NAME` for a new patch"
         )
     entries[-1] = Entry(top_entry.name, top_entry.header, final)
@@ -322,7 +322,7 @@ def _stage_prove_and_swap(tree: Tree, rendered: list[tuple[Entry, bytes]], resul
             if not result.roundtrip.ok:
                 raise CheckFailed(
                     f"round trip failed: re-applying the series to {tree.tag} does not give the edited "
-                    f"tree ({result.roundtrip.detail or ', '.join(result.roundtrip.differs[:5])}); "
+                    f"tree ({result.roundtrip.detail or ', '.join(result.roundtrip.differs)}); "
                     f"{patches_dir} was left as it was"
                 )
 

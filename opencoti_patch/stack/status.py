@@ -50,7 +50,7 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
         data["rebase"] = {"to": rebasing["to"], "from": rebasing.get("from"), "current": current.get("patch"),
                           "files": current.get("files", []), "done": bool(rebasing.get("done")),
                           "skipped": skipped, "remaining": rebasing.get("remaining", [])[1:],
-                          "names_stop": bool(rebasing.get("names_stop"))}
+                          "names_stop": bool(rebasing.get("names_stop")), "left": current.get("left", [])}
     return data
 
 
@@ -100,7 +100,7 @@ def stale_against_series(tree: Tree, rev: str | None = None) -> list[str]:
     problems += [f"{n}: not applied" for n in series if n not in names]
     problems += [f"uncaptured commit {c}" for c in loose]
     if dirty:
-        problems.append(f"{len(dirty)} uncaptured edit(s) ({dirty[0].strip()}, ...)")
+        problems.append(f"{len(dirty)} uncaptured edit(s) ({', '.join(d.strip() for d in dirty)})")
     if names != series[: len(names)]:
         problems.append("the applied patches are not the series' order")
     if rebase:

@@ -90,13 +90,10 @@ class TreeDiff:
     def clean(self) -> bool:
         return not (self.missing or self.changed or self.added)
 
-    def summary(self, limit: int = 5) -> str:
-        parts = []
-        for label, items in (("missing", self.missing), ("changed", self.changed), ("added", self.added)):
-            if items:
-                more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
-                shown = ", ".join(items[:limit]) + more
-                parts.append(f"{len(items)} {label}: {shown}")
+    def summary(self) -> str:
+        """Every path that differs, by kind (``--json`` has the same lists)."""
+        kinds = (("missing", self.missing), ("changed", self.changed), ("added", self.added))
+        parts = [f"{len(items)} {label}: {', '.join(items)}" for label, items in kinds if items]
         return "; ".join(parts) or "identical"
 
 
@@ -572,8 +569,7 @@ class Tree:
             return None
         what = []
         if dirty:
-            what.append(f"{len(dirty)} edited file(s) ({', '.join(d[3:] for d in dirty[:3])}"
-                        f"{', ...' if len(dirty) > 3 else ''})")
+            what.append(f"{len(dirty)} edited file(s) ({', '.join(d[3:] for d in dirty)})")
         if loose:
             what.append(f"{len(loose)} commit(s) not captured as patches")
         if not force:
