@@ -186,3 +186,10 @@ def test_conflict_resolved_by_hand_is_checked_on_continue(named: Project) -> Non
     named.edit("src/a.c", REGION, FIXED)
     data = rebase_json(named, "--continue", code=0)
     assert not data["pending"] and data["outcomes"][0]["status"] == "resolved"
+
+
+def test_the_why_names_every_name() -> None:
+    from opencoti_patch.markers.resolve import names_why
+
+    why = names_why(["a1", "b2", "c3", "d4", "e5"])
+    assert "'a1', 'b2', 'c3', 'd4', 'e5'" in why and "more" not in why
