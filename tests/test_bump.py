@@ -227,3 +227,51 @@ def test_markers_before_the_rebases_snapshot_says_to_snapshot_first(project: Pro
     assert "run `opencoti-patch snapshot" in out and "` first" in out and "then `markers` again" in out
     project.run("snapshot")
     project.run("markers", "--tree", str(project.tree))
+
+
+# -- snapshot --into: a fix folded into any applied patch ---------------------------------------------
+
+
+def test_snapshot_into_folds_a_fix_into_a_lower_patch(project: Project) -> None:
+    """A fix of 0001's line goes into 0001; 0002 (which changed a.c lower down and b.h) is rewritten on
+    top, the round trip holds, and a fresh tree of the series is the edited tree."""
+    two_patches(project)
+    second_before = (project.patches / "0002-second.patch").read_text()
+    project.edit("src/a.c", "int line_10 = 1000; // opencoti", "int line_10 = 1001; // opencoti, fixed")
+    project.edit("src/a.c", "int line_12 = 12;", "int line_12 = 12; // fixed too\nint added;")
+    out = project.run("snapshot", "--into", "0001-first.patch").stdout
+    assert "edits folded into 0001-first.patch" in out and "round trip OK" in out
+    assert "written: 0001-first.patch, 0002-second.patch" in out
+    first = (project.patches / "0001-first.patch").read_text()
+    assert "+int line_10 = 1001; // opencoti, fixed" in first and "+int line_12 = 12; // fixed too" in first
+    assert "Line ten." in first  # its header kept
+    second = (project.patches / "0002-second.patch").read_text()
+    assert "+int line_38 = 3838; // opencoti" in second and "1001" not in second
+    assert "@@ -35,6 +35,6 @@" in second_before and "@@ -36,6 +36,6 @@" in second  # a line lower now
+    status = json.loads(project.run("status", "--json").stdout)
+    assert [a["state"] for a in status["applied"]] == ["ok", "ok"] and not status["dirty"]
+    project.run("snapshot", "--check")
+    other = project.root / "fresh"
+    project.run("prepare", "--tree", str(other))
+    assert (other / "src" / "a.c").read_text() == (project.tree / "src" / "a.c").read_text()
+
+
+def test_snapshot_into_refuses_when_a_later_patch_conflicts(project: Project) -> None:
+    two_patches(project)
+    before = {p.name: p.read_bytes() for p in project.patches.iterdir() if p.is_file()}
+    # 0002 changed line 38: an edit of that line cannot go below it
+    project.edit("src/a.c", "int line_38 = 3838; // opencoti", "int line_38 = 3839; // opencoti")
+    out = project.run("snapshot", "--into", "0001-first.patch", code=1).output
+    assert "--into 0001-first.patch: the edits do not apply to the tree as 0001-first.patch leaves it" in out
+    assert "0002-second.patch" in out and "--top" in out and out.count("\n") == 1
+    # an edit beside 0002's line: its context is 0002's line, so it cannot go below 0002 either
+    project.edit("src/a.c", "int line_38 = 3839; // opencoti", "int line_38 = 3838; // opencoti")
+    project.edit("src/a.c", "int line_37 = 37;", "int line_37 = 37; // beside")
+    assert "do not apply" in project.run("snapshot", "--into", "0001-first.patch", code=1).output
+    assert {p.name: p.read_bytes() for p in project.patches.iterdir() if p.is_file()} == before
+    assert "not an applied patch" in project.run("snapshot", "--into", "0009-x.patch", code=1).output
+    project.run("snapshot", "--into", "0002-second.patch")  # the top patch: like --top
+    assert "// beside" in (project.patches / "0002-second.patch").read_text()
+    project.run("snapshot", "--check")
+    assert "no uncaptured edits" in project.run("snapshot", "--into", "0001-first.patch", code=1).output
+    assert "exclusive" in project.run("snapshot", "--into", "0001-first.patch", "--top", code=2).output

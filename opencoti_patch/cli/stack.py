@@ -224,6 +224,9 @@ def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
                    "build target with its arguments, run by `check` after this patch.")
 @click.option("--patch", "patch_name", metavar="NNNN-name.patch",
               help="Edit the header of this applied patch (instead of the top or a new one).")
+@click.option("--into", "into", metavar="NNNN-name.patch",
+              help="Fold the edits into this applied patch and rewrite the patches above it (refused when "
+                   "one of them conflicts with the edits).")
 @click.option("--check", is_flag=True, help="Write nothing; exit 4 when patches/ is stale vs the tree (CI).")
 @click.option("--no-verify", is_flag=True, help="Skip the round-trip proof.")
 @click.option("--mark", is_flag=True,
@@ -232,18 +235,19 @@ def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
 @common_options
 def snapshot_cmd(settings: Settings, top: bool, new_name: str | None, subject: str | None,
                  description: str | None, feature: str | None, upstream_status: str | None,
-                 author: str | None, tests: tuple[str, ...], patch_name: str | None, check: bool,
-                 no_verify: bool, mark: bool, as_json: bool) -> None:
+                 author: str | None, tests: tuple[str, ...], patch_name: str | None, into: str | None,
+                 check: bool, no_verify: bool, mark: bool, as_json: bool) -> None:
     """Write the tree's edits and commits back into patches/ (alias: refresh).
 
-    Edits go into the top patch (--top, or by default when they only touch its files) or a new
-    one (--new NAME). Patch files are rendered deterministically, then the round trip is proven:
+    Edits go into the top patch (--top, or by default when they only touch its files), a new one
+    (--new NAME), or any applied patch (--into NNNN-name.patch: the patches above it are rewritten
+    on top of it). Patch files are rendered deterministically, then the round trip is proven:
     pristine upstream + the series gives the edited tree's exact git tree hash.
     """
-    if sum(map(bool, (top, new_name, patch_name))) > 1:
-        raise click.UsageError("--top, --new and --patch are exclusive")
+    if sum(map(bool, (top, new_name, patch_name, into))) > 1:
+        raise click.UsageError("--top, --new, --patch and --into are exclusive")
     new = NewPatch(new_name, subject, description, feature, upstream_status, author,
-                   tests=tests or None, patch=patch_name)
+                   tests=tests or None, patch=patch_name, into=into)
     tree = Tree(settings)
     with tree_lock(settings):
         result = snapshot(tree, new, top=top, check=check, verify=not no_verify)

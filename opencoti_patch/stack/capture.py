@@ -96,6 +96,7 @@ class NewPatch:
     author: str | None = None
     tests: tuple[str, ...] | None = None  # the `Test:` lines (replacing the patch's own)
     patch: str | None = None  # edit the header of this applied patch (not the top one)
+    into: str | None = None  # fold the edits into this applied patch, rewriting the ones above it
 
     def apply_to(self, header: PatchHeader) -> PatchHeader:
         changes: dict[str, object] = {k: v for k, v in (
@@ -144,6 +145,8 @@ def _entries(tree: Tree, new: NewPatch, top: bool) -> tuple[list[Entry], str | N
     edited = final != (entries[-1].tree if entries else base)
     captured = [i for i, e in enumerate(entries) if e.name is not None]
     loose = [i for i, e in enumerate(entries) if e.name is None]
+    if new.into is not None:
+        return _fold_into(tree, entries[: captured[-1] + 1] if captured else [], new, base, final), new.into
     if top:
         if not captured:
             raise OpencotiError("no patch is applied, so there is no top patch: use --new NAME")
@@ -181,6 +184,54 @@ def _entries(tree: Tree, new: NewPatch, top: bool) -> tuple[list[Entry], str | N
         )
     entries[-1] = Entry(top_entry.name, top_entry.header, final)
     return entries, top_entry.name
+
+
+def _apply_in_scratch(tree: Tree, base: str, diff: bytes) -> tuple[str | None, str]:
+    """The git tree of ``base`` with ``diff`` applied (context must match, no fuzz; git may find a hunk
+    at another line), or None and git's reason."""
+    with tempfile.TemporaryDirectory(prefix="opencoti-fold-") as tmp:
+        patch = Path(tmp) / "edits.diff"
+        patch.write_bytes(diff)
+        with scratch_index(tree, base) as index:
+            r = tree.git("apply", "--cached", "--whitespace=nowarn", str(patch), index=index, check=False)
+            if r.rc != 0:
+                lines = [ln.removeprefix("error: ").strip() for ln in r.err.splitlines() if ln.strip()]
+                return None, "; ".join(lines[:2]) or "git apply failed"
+            return tree.git("write-tree", index=index).text.strip(), ""
+
+
+def _fold_into(tree: Tree, entries: list[Entry], new: NewPatch, base: str, final: str) -> list[Entry]:
+    """``snapshot --into NAME``: the uncaptured edits (the tree as it is against the top patch, loose
+    commits included) folded into applied patch NAME, and each patch above it re-applied on top, so
+    that the last one gives the edited tree exactly; a clear refusal when that cannot be."""
+    name = new.into
+    at = next((i for i, e in enumerate(entries) if e.name == name), None)
+    if at is None:
+        applied = ", ".join(e.name or "" for e in entries) or "none"
+        raise OpencotiError(f"--into {name}: not an applied patch of the tree (applied: {applied})")
+    edits = _diff(tree, entries[-1].tree, final)
+    if not edits:
+        raise OpencotiError(f"--into {name}: there are no uncaptured edits to fold into it")
+    above = [e.name or "" for e in entries[at + 1:]]
+    folded, why = _apply_in_scratch(tree, entries[at].tree, edits)
+    if folded is None:
+        raise OpencotiError(f"--into {name}: the edits do not apply to the tree as {name} leaves it ({why}): "
+                            f"they change what a patch above it ({', '.join(above)}) brought; fold them into "
+                            "that patch, or `--top`")
+    out = [*entries[:at], Entry(name, new.apply_to(entries[at].header), folded)]
+    for before, e in zip(entries[at:], entries[at + 1:], strict=False):
+        rebuilt, why = _apply_in_scratch(tree, out[-1].tree, _diff(tree, before.tree, e.tree))
+        if rebuilt is None:
+            raise OpencotiError(f"--into {name}: {e.name}, above it, no longer applies on top of the folded "
+                                f"edits ({why}): the edits conflict with it; fold them into {e.name} (or a "
+                                "patch above), or `--top`")
+        out.append(Entry(e.name, e.header, rebuilt))
+    if out[-1].tree != final:
+        differs = ", ".join(sorted(_changed_paths(tree, out[-1].tree, final)))
+        raise OpencotiError(f"--into {name}: with the edits in {name} the patches above it do not give the "
+                            f"tree as edited (differs in {differs}): fold them into a patch above, or "
+                            "`--top`")
+    return out
 
 
 def snapshot(
