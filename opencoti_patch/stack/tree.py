@@ -378,7 +378,9 @@ class Tree:
             self.git("add", "--force", "--all", "--", ".", index=index, work_tree=src)
             tree = self.git("write-tree", index=index, work_tree=src).text.strip()
         uname, uemail = UPSTREAM_AUTHOR
-        message = f"upstream {pin.name} ({pin.identity['identity']})\n"
+        # a commit pin's message as it always was (its upstream commit id does not change)
+        what = f"llama.cpp {pin.commit}" if pin.commit and not pin.release else pin.identity["identity"]
+        message = f"upstream {pin.name} ({what})\n"
         if pin.description:
             message += f"\n{pin.description}\n"
         commit = self.commit_tree(tree, [], message, f"{uname} <{uemail}>")
