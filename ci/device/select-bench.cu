@@ -1,4 +1,4 @@
-// Microbenchmark of the CUDA SPARSE_ATTN_SELECT kernels (issue 12: the select's fixed cost per layer).
+// Microbenchmark of the CUDA SPARSE_ATTN_SELECT kernels (the select's fixed cost per layer).
 //
 // Built on the device against the patched tree (ci/device/h200.sh stage `selbench`):
 //   nvcc -std=c++17 -O3 -arch=sm_90 -use_fast_math -extended-lambda -I$SRC/ggml/include -I$SRC/ggml/src
