@@ -1,4 +1,4 @@
-// opencoti-harness-batch (used by `opencoti-patch eval`): many requests in one process, one model load.
+// opencoti-harness-batch (used by `opencoti-patch lab eval` and `lab selector`): many requests in one process, one model load.
 // A separate executable of the harness project (needs libllama-common: its argument parser takes every flag
 // the tree knows, e.g. --sparse-attn on a patched build).
 //

@@ -1,6 +1,6 @@
 // opencoti-qk-dump: one dense prefill of a text, saving the post-RoPE queries and keys of chosen layers.
 //
-// What `opencoti-patch eval recall` scores block selectors on: with the keys of every position and the
+// What `opencoti-patch lab selector recall` scores block selectors on: with the keys of every position and the
 // queries of the last positions, the attention of each of those queries over its causal context is known
 // exactly, so the share of the attention mass that a selector keeps can be computed offline for any
 // scorer, budget and block size, from one prefill (teacher forcing: query t attends to keys 0..t, as the
