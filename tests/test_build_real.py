@@ -316,18 +316,25 @@ def test_eval_select_all_equals_dense_and_sparse_is_active(eval_harness: ev.Harn
     assert "window-25%" in by and fid["gate"]["checks"]  # the window baseline runs and is gated
 
 
+# samples of the real-model passkey gate: 2048-token prompts, about three in four with the needle outside the
+# always-kept sink and recent blocks, so that the gate counts at least ev.MIN_GATE_SAMPLES of them
+PASSKEY_GATE_SAMPLES = 30
+
+
 @needs_eval_build
 def test_eval_passkey_gate_on_the_real_model(eval_harness: ev.Harness) -> None:
-    """A small passkey gate end to end on the real model: dense good on the gated needles, the always-kept
-    ones reported apart, the selector strictly ahead of the window baseline (seeded: a failure is a
-    finding, not flakiness)."""
-    out = ev.run_passkey(eval_harness, seed=7, per_ctx={2048: 5}, fractions=[0.25], accounting="exclusive",
-                         gate_fraction=0.25, show_progress=False)
+    """The passkey gate end to end on the real model, with the minimum sample count: dense good on the
+    gated needles, the always-kept ones reported apart, the selector strictly ahead of the window baseline;
+    the verdict through check_gates (seeded: a failure is a finding, not flakiness)."""
+    out = ev.run_passkey(eval_harness, seed=7, per_ctx={2048: PASSKEY_GATE_SAMPLES}, fractions=[0.25],
+                         accounting="exclusive", gate_fraction=0.25, show_progress=False,
+                         min_samples=ev.MIN_GATE_SAMPLES)
     gate = out["summary"]["gate"]
     g = gate["checks"][0]
-    assert g["n"] >= 1 and g["n_kept"] >= 1 and g["window"] == "window-25%", g
+    assert g["n"] >= ev.MIN_GATE_SAMPLES and g["n_kept"] >= 1 and g["window"] == "window-25%", g
     assert g["dense_accuracy"] >= gate["min_dense_accuracy"], g
-    assert gate["passed"], g["reasons"]
+    assert gate["verdict"] == "PASS", g["reasons"]
+    assert ev.check_gates({"passkey": out}).verdict == "PASS"
 
 
 @needs_source
