@@ -29,7 +29,7 @@ from opencoti_patch.build import identical as ident
 from opencoti_patch.build import synth_gguf
 from opencoti_patch.build.harness import BATCH_EXE, SINGLE_EXE, build_harness
 from opencoti_patch.config import Settings
-from opencoti_patch.errors import OpencotiError
+from opencoti_patch.errors import EXIT_OK, OpencotiError
 from opencoti_patch.quality import evaluate as ev
 from opencoti_patch.quality import loadtest
 from opencoti_patch.quality import multidevice as md
@@ -340,8 +340,9 @@ def test_eval_passkey_gate_on_the_real_model(eval_harness: ev.Harness) -> None:
 @needs_source
 def test_loadtest_real_server_real_model(selfcheck: b.BuildResult, tmp_path: Path) -> None:
     """llama-server of the patched build serving Gemma 3 270M under concurrent load: every answer must
-    repeat its own request's marker (so a slot mix would show a foreign one), no 5xx, the RSS peak flat,
-    and sparse select-all equal to dense on the isolated reference."""
+    repeat the key placed in its own request's context (so a slot mix would show), no 5xx, the RSS peak
+    flat, and sparse select-all equal to dense on the isolated reference. The server runs on the CPU: its
+    GPU memory is "not checked", accepted by name."""
     model = real_model()
     server = selfcheck.bin / "llama-server"
     out = tmp_path / "serving.json"
@@ -352,12 +353,15 @@ def test_loadtest_real_server_real_model(selfcheck: b.BuildResult, tmp_path: Pat
         "--corpus", str(ROOT / "docs" / "usage.md"),
         "--variant", "dense=--sparse-attn off",
         "--variant", "selectall=--sparse-attn on --sparse-attn-topk 100000 --sparse-attn-min-ctx 1",
-        "--expect-equal", "selectall:dense", "--json", str(out)])
+        "--expect-equal", "selectall:dense", "--json", str(out), "--accept-not-checked", "gpu_mem_flat"])
     data = json.loads(out.read_text())
     for s in data["summaries"]:
-        assert s["checks"]["marker_echo"] and s["checks"]["attribution"], (s["name"], s["marker_echo"])
-    failed = {s["name"]: [k for k, ok in s["checks"].items() if not ok] for s in data["summaries"]}
-    assert code == loadtest.EXIT_OK, (failed, data["comparisons"])
+        checks = {c["stage"]: c["passed"] for c in s["checks"]}
+        assert checks["key_echo"] and checks["attribution"], (s["name"], s["key_echo"])
+        assert [n.split(":")[0] for n in s["not_checked"]] == ["gpu_mem_flat"], s["not_checked"]
+    failed = {s["name"]: [c["summary"] for c in s["checks"] if c["passed"] is False]
+              for s in data["summaries"]}
+    assert code == EXIT_OK, (failed, data["comparisons"])
 
 
 @pytest.fixture(scope="session")
