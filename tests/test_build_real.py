@@ -20,9 +20,9 @@ import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
+from prereq import REQUIRE_ALL, unavailable
 
 from opencoti_patch.build import builder as b
 from opencoti_patch.build import identical as ident
@@ -57,20 +57,12 @@ def _pristine_source() -> tuple[Path, str | None] | None:
 
 
 SOURCE = _pristine_source()
-REQUIRE_ALL = os.environ.get("OPENCOTI_REQUIRE_ALL") == "1"
 needs_source = pytest.mark.skipif(SOURCE is None and not REQUIRE_ALL,
                                   reason="no pristine llama.cpp (set OPENCOTI_PRISTINE)")
 
 needs_eval_build = pytest.mark.skipif(SOURCE is None and not os.environ.get("OPENCOTI_EVAL_BUILD")
                                       and not REQUIRE_ALL,
                                       reason="no pristine llama.cpp nor OPENCOTI_EVAL_BUILD")
-
-
-def unavailable(reason: str) -> NoReturn:
-    """Skip, or fail where every check must run (OPENCOTI_REQUIRE_ALL=1, set by ci/test.sh)."""
-    if REQUIRE_ALL:
-        pytest.fail(f"{reason} (OPENCOTI_REQUIRE_ALL=1: every check must run)")
-    pytest.skip(reason)
 
 
 def real_model() -> Path:
