@@ -385,7 +385,8 @@ def test_report_rendering(tmp_path: Path) -> None:
     with pytest.raises(CheckFailed, match="feature off"):
         ident.raise_on_failure(data)
     required = [ident.Check(n, st, True, "ok") for n, st in
-                (("build pristine", "build"), ("patched differs", "sources"), ("feature off", "behaviour"))]
+                (("build pristine", "build"), ("patched differs", "sources"), ("objects", "binaries"),
+                 ("feature off", "behaviour"))]
     _, _, good = ident.render_report(checks[:1] + required, meta, tmp_path, TEMPLATES)
     assert good["verdict"] == "PASS"
     ident.raise_on_failure(good)
