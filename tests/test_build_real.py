@@ -20,14 +20,14 @@ import shutil
 import subprocess
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
+from prereq import REQUIRE_ALL, unavailable
 
 from opencoti_patch.builds import builder as b
 from opencoti_patch.builds.harness import SINGLE_EXE, build_harness
 from opencoti_patch.config import Settings
-from opencoti_patch.errors import OpencotiError
+from opencoti_patch.errors import EXIT_OK, OpencotiError
 from opencoti_patch.lab import batch, loadtest
 from opencoti_patch.lab import evaluate as ev
 from opencoti_patch.lab import multidevice as md
@@ -59,20 +59,12 @@ def _pristine_source() -> tuple[Path, str | None] | None:
 
 
 SOURCE = _pristine_source()
-REQUIRE_ALL = os.environ.get("OPENCOTI_REQUIRE_ALL") == "1"
 needs_source = pytest.mark.skipif(SOURCE is None and not REQUIRE_ALL,
                                   reason="no pristine llama.cpp (set OPENCOTI_PRISTINE)")
 
 needs_eval_build = pytest.mark.skipif(SOURCE is None and not os.environ.get("OPENCOTI_EVAL_BUILD")
                                       and not REQUIRE_ALL,
                                       reason="no pristine llama.cpp nor OPENCOTI_EVAL_BUILD")
-
-
-def unavailable(reason: str) -> NoReturn:
-    """Skip, or fail where every check must run (OPENCOTI_REQUIRE_ALL=1, set by ci/test.sh)."""
-    if REQUIRE_ALL:
-        pytest.fail(f"{reason} (OPENCOTI_REQUIRE_ALL=1: every check must run)")
-    pytest.skip(reason)
 
 
 def real_model() -> Path:
@@ -318,25 +310,33 @@ def test_eval_select_all_equals_dense_and_sparse_is_active(eval_harness: batch.H
     assert "window-25%" in by and fid["gate"]["checks"]  # the window baseline runs and is gated
 
 
+# samples of the real-model passkey gate: 2048-token prompts, about three in four with the needle outside the
+# always-kept sink and recent blocks, so that the gate counts at least ev.MIN_GATE_SAMPLES of them
+PASSKEY_GATE_SAMPLES = 30
+
+
 @needs_eval_build
 def test_eval_passkey_gate_on_the_real_model(eval_harness: batch.Harness) -> None:
-    """A small passkey gate end to end on the real model: dense good on the gated needles, the always-kept
-    ones reported apart, the selector strictly ahead of the window baseline (seeded: a failure is a
-    finding, not flakiness)."""
-    out = ev.run_passkey(eval_harness, seed=7, per_ctx={2048: 5}, fractions=[0.25], accounting="exclusive",
-                         gate_fraction=0.25, show_progress=False)
+    """The passkey gate end to end on the real model, with the minimum sample count: dense good on the
+    gated needles, the always-kept ones reported apart, the selector strictly ahead of the window baseline;
+    the verdict through check_gates (seeded: a failure is a finding, not flakiness)."""
+    out = ev.run_passkey(eval_harness, seed=7, per_ctx={2048: PASSKEY_GATE_SAMPLES}, fractions=[0.25],
+                         accounting="exclusive", gate_fraction=0.25, show_progress=False,
+                         min_samples=ev.MIN_GATE_SAMPLES)
     gate = out["summary"]["gate"]
     g = gate["checks"][0]
-    assert g["n"] >= 1 and g["n_kept"] >= 1 and g["window"] == "window-25%", g
+    assert g["n"] >= ev.MIN_GATE_SAMPLES and g["n_kept"] >= 1 and g["window"] == "window-25%", g
     assert g["dense_accuracy"] >= gate["min_dense_accuracy"], g
-    assert gate["passed"], g["reasons"]
+    assert gate["verdict"] == "PASS", g["reasons"]
+    assert ev.check_gates({"passkey": out}).verdict == "PASS"
 
 
 @needs_source
 def test_loadtest_real_server_real_model(selfcheck: b.BuildResult, tmp_path: Path) -> None:
     """llama-server of the patched build serving Gemma 3 270M under concurrent load: every answer must
-    repeat its own request's marker (so a slot mix would show a foreign one), no 5xx, the RSS peak flat,
-    and sparse select-all equal to dense on the isolated reference."""
+    repeat the key placed in its own request's context (so a slot mix would show), no 5xx, the RSS peak
+    flat, and sparse select-all equal to dense on the isolated reference. The server runs on the CPU: its
+    GPU memory is "not checked", accepted by name."""
     model = real_model()
     server = selfcheck.bin / "llama-server"
     out = tmp_path / "serving.json"
@@ -347,12 +347,15 @@ def test_loadtest_real_server_real_model(selfcheck: b.BuildResult, tmp_path: Pat
         "--corpus", str(ROOT / "docs" / "usage.md"),
         "--variant", "dense=--sparse-attn off",
         "--variant", "selectall=--sparse-attn on --sparse-attn-topk 100000 --sparse-attn-min-ctx 1",
-        "--expect-equal", "selectall:dense", "--json", str(out)])
+        "--expect-equal", "selectall:dense", "--json", str(out), "--accept-not-checked", "gpu_mem_flat"])
     data = json.loads(out.read_text())
     for s in data["summaries"]:
-        assert s["checks"]["marker_echo"] and s["checks"]["attribution"], (s["name"], s["marker_echo"])
-    failed = {s["name"]: [k for k, ok in s["checks"].items() if not ok] for s in data["summaries"]}
-    assert code == loadtest.EXIT_OK, (failed, data["comparisons"])
+        checks = {c["stage"]: c["passed"] for c in s["checks"]}
+        assert checks["key_echo"] and checks["attribution"], (s["name"], s["key_echo"])
+        assert [n.split(":")[0] for n in s["not_checked"]] == ["gpu_mem_flat"], s["not_checked"]
+    failed = {s["name"]: [c["summary"] for c in s["checks"] if c["passed"] is False]
+              for s in data["summaries"]}
+    assert code == EXIT_OK, (failed, data["comparisons"])
 
 
 @pytest.fixture(scope="session")

@@ -185,11 +185,23 @@ def test_compare_logits_files(tmp_path: Path) -> None:
 
 def test_check_select_all_is_a_hard_failure() -> None:
     ok = {"runs": [{"config": "select-all", "identical": True, "n_ctx": 8192, "kl_mean": 0.0,
-                    "top1_agreement": 1.0}]}
+                    "top1_agreement": 1.0, "nll_ref": 2.5}]}
     ev.check_select_all(ok)
     bad = {"runs": [{**ok["runs"][0], "identical": False, "kl_mean": 1e-9}]}
     with pytest.raises(CheckFailed):
         ev.check_select_all(bad)
+
+
+def test_check_select_all_needs_its_run_and_finite_logits() -> None:
+    # a fidelity result without its select-all run used to pass: the plumbing was never compared
+    without = {"runs": [_fid_run(8192, "sparse-50%", 0.01, 2.1)]}
+    assert ev.select_all_check(without).passed is None
+    with pytest.raises(CheckFailed, match="no select-all run"):
+        ev.check_select_all(without)
+    nan = {"runs": [{"config": "select-all", "identical": True, "n_ctx": 8192, "kl_mean": float("nan"),
+                     "top1_agreement": 1.0, "nll_ref": float("nan")}]}  # identical NaN dumps
+    with pytest.raises(CheckFailed, match="not finite"):
+        ev.check_select_all(nan)
 
 
 # --- summary and report ----------------------------------------------------------------------------
@@ -222,13 +234,14 @@ def _fake_passkey(dense_wrong: int, sparse_wrong: int, window_right: bool = Fals
 
 
 def _gate(samples: list[ev.PasskeySample], answers: dict[str, Any], configs: dict,
-          n_tokens: dict[str, int]) -> dict[str, Any]:
-    return ev.passkey_summary(samples, answers, configs, n_tokens)["gate"]
+          n_tokens: dict[str, int], min_samples: int = 6) -> dict[str, Any]:
+    """The gate of the fake set (6 gated samples: the minimum lowered to them unless given)."""
+    return ev.passkey_summary(samples, answers, configs, n_tokens, min_samples=min_samples)["gate"]
 
 
 def test_passkey_summary_gate_and_agreement() -> None:
     samples, answers, configs, n_tokens = _fake_passkey(dense_wrong=0, sparse_wrong=0)
-    s = ev.passkey_summary(samples, answers, configs, n_tokens)
+    s = ev.passkey_summary(samples, answers, configs, n_tokens, min_samples=6)
     overall = {o["config"]: o for o in s["overall"]}
     assert overall["dense"]["correct"] == 10 and overall["window-50%"]["correct"] == 2
     assert s["gate"]["passed"] and [c["config"] for c in s["gate"]["checks"]] == ["sparse-50%"]
@@ -249,6 +262,37 @@ def test_passkey_gate_fails_when_dense_is_bad_too() -> None:
     samples, answers, configs, n_tokens = _fake_passkey(dense_wrong=10, sparse_wrong=10)  # 0/10 and 0/10
     g = _gate(samples, answers, configs, n_tokens)
     assert not g["passed"] and "dense itself only 0/6" in g["checks"][0]["reasons"][0]
+    assert g["verdict"] == "INCOMPLETE"  # the control proved nothing
+
+
+def test_passkey_gate_needs_the_minimum_sample_count() -> None:
+    # one gated sample (or six) used to be enough for a PASS
+    samples, answers, configs, n_tokens = _fake_passkey(dense_wrong=0, sparse_wrong=0)
+    assert _gate(samples, answers, configs, n_tokens)["verdict"] == "PASS"  # minimum lowered to the 6
+    g = _gate(samples, answers, configs, n_tokens, min_samples=ev.MIN_GATE_SAMPLES)
+    assert g["verdict"] == "INCOMPLETE" and not g["passed"] and g["min_samples"] == 20
+    assert "only 6 gated samples" in g["checks"][0]["reasons"][0]
+    one = [s for s in samples if s.depth == 0.5][:1]
+    g1 = _gate(one, answers, configs, n_tokens, min_samples=ev.MIN_GATE_SAMPLES)
+    assert g1["checks"][0]["n"] == 1 and g1["verdict"] == "INCOMPLETE"
+    with pytest.raises(CheckFailed, match="INCOMPLETE.*only 1 gated sample"):
+        ev.check_gates({"passkey": {"summary": {"gate": g1}}})
+    # few samples still FAIL on a failure (sparse behind dense)
+    samples, answers, configs, n_tokens = _fake_passkey(dense_wrong=0, sparse_wrong=3)
+    assert _gate(samples, answers, configs, n_tokens, min_samples=20)["verdict"] == "FAIL"
+
+
+def test_check_gates_with_no_gate_is_incomplete() -> None:
+    with pytest.raises(CheckFailed, match="INCOMPLETE: no gate ran"):
+        ev.check_gates({})
+    samples, answers, configs, n_tokens = _fake_passkey(dense_wrong=0, sparse_wrong=0)
+    del answers["sparse-50%"], configs["sparse-50%"]  # no sparse config at the gate budget
+    g = _gate(samples, answers, configs, n_tokens)
+    assert g["checks"] == [] and g["verdict"] == "INCOMPLETE"
+    with pytest.raises(CheckFailed, match="INCOMPLETE.*no sparse run at the gate budget"):
+        ev.check_gates({"passkey": {"summary": {"gate": g}}})
+    good = _gate(*_fake_passkey(dense_wrong=0, sparse_wrong=0))
+    assert ev.check_gates({"passkey": {"summary": {"gate": good}}}).verdict == "PASS"
 
 
 def test_passkey_gate_fails_when_sparse_lags_dense() -> None:
@@ -270,7 +314,7 @@ def test_passkey_gate_fails_when_every_needle_is_always_attended() -> None:
     samples, answers, configs, n_tokens = _fake_passkey(0, 0)
     edge = [s for s in samples if s.depth in (0.0, 1.0)]  # sink or recent blocks only
     g = _gate(edge, answers, configs, n_tokens)
-    assert not g["passed"] and g["checks"][0]["n_kept"] == 4
+    assert not g["passed"] and g["checks"][0]["n_kept"] == 4 and g["verdict"] == "INCOMPLETE"
     assert "no sample with the needle outside" in g["checks"][0]["reasons"][0]
     # an unknown needle position (an old token fit) is never counted as gated
     unknown = [ev.PasskeySample(s.sid, s.n_ctx, s.depth, s.key, s.n_filler) for s in samples]
@@ -286,10 +330,10 @@ def test_needle_in_kept_blocks() -> None:
     assert not ev.needle_in_kept_blocks(recent_start - ev.NEEDLE_SPAN - 2 * ev.NEEDLE_SLACK, 4000, cfg)
 
 
-def _fid_run(n_ctx: int, name: str, kl: float, nll: float) -> dict[str, Any]:
+def _fid_run(n_ctx: int, name: str, kl: float, nll: float, steps: int = 256) -> dict[str, Any]:
     budget = variants.budget_config(n_ctx, 0.5)
     cfg = variants.window_config(budget, n_ctx) if name.startswith("window") else budget
-    return {"n_ctx": n_ctx, "config": name, "kl_mean": kl, "nll": nll, "nll_ref": 2.0,
+    return {"n_ctx": n_ctx, "config": name, "kl_mean": kl, "nll": nll, "nll_ref": 2.0, "steps": steps,
             "cfg": cfg.describe(n_ctx)}
 
 
@@ -301,8 +345,27 @@ def test_fidelity_gate_needs_the_selector_to_beat_the_window() -> None:
     assert not g["passed"] and len(g["checks"][0]["reasons"]) == 2
     assert not ev.fidelity_gate(good[:1])["passed"]  # no window run
     assert not ev.fidelity_gate([])["passed"]  # no sparse run at the gate budget
+    select_all = {"config": "select-all", "identical": True, "n_ctx": 8192, "kl_mean": 0.0,
+                  "top1_agreement": 1.0, "nll_ref": 2.0}
     with pytest.raises(CheckFailed, match="window"):
-        ev.check_gates({"fidelity": {"runs": ahead, "gate": g, "select_all_identical": True}})
+        ev.check_gates({"fidelity": {"runs": [*ahead, select_all], "gate": g, "select_all_identical": True}})
+    ok = {"runs": [*good, select_all], "gate": ev.fidelity_gate(good)}
+    assert ev.check_gates({"fidelity": ok}).verdict == "PASS"
+    with pytest.raises(CheckFailed, match="no select-all run"):  # the gate alone is not enough
+        ev.check_gates({"fidelity": {**ok, "runs": good}})
+
+
+def test_fidelity_gate_fails_on_nan_and_needs_the_minimum_steps() -> None:
+    nan = [_fid_run(8192, "sparse-50%", 0.01, float("nan")), _fid_run(8192, "window-50%", 0.02, 2.2)]
+    g = ev.fidelity_gate(nan)  # a NaN NLL compared False with everything and passed
+    assert g["verdict"] == "FAIL" and "not finite: nll" in g["checks"][0]["reasons"][0]
+    g = ev.fidelity_gate([_fid_run(8192, "sparse-50%", 0.01, 2.1),
+                          _fid_run(8192, "window-50%", 0.02, float("inf"))])
+    assert g["verdict"] == "FAIL" and "window nll" in g["checks"][0]["reasons"][0]
+    short = [_fid_run(8192, "sparse-50%", 0.01, 2.1, steps=16), _fid_run(8192, "window-50%", 0.02, 2.2, 16)]
+    g = ev.fidelity_gate(short)
+    assert g["verdict"] == "INCOMPLETE" and "only 16 decode steps" in g["checks"][0]["reasons"][0]
+    assert ev.fidelity_gate(short, min_samples=16)["verdict"] == "PASS"
 
 
 def test_report_renders_and_json_roundtrips(tmp_path: Path) -> None:
@@ -369,7 +432,7 @@ def _fake_exe(tmp_path: Path) -> Path:
 def test_run_passkey_with_a_stand_in_harness(tmp_path: Path) -> None:
     h = batch.Harness(exe=_fake_exe(tmp_path), model=tmp_path / "m.gguf", log_dir=tmp_path / "logs")
     out = ev.run_passkey(h, seed=1, per_ctx={2048: 4}, fractions=[0.25, 0.5], accounting="exclusive",
-                         show_progress=False)
+                         show_progress=False, min_samples=2)
     assert out["n_samples"] == 4 and out["summary"]["gate"]["passed"]
     assert {o["config"]: o["correct"] for o in out["summary"]["overall"]} == {
         "dense": 4, "sparse-25%": 4, "sparse-50%": 4, "window-25%": 0, "window-50%": 0}

@@ -6,6 +6,7 @@ else they are downloaded (cached). Run with `-m realtree`.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from prereq import unavailable
 from stackutil import Project
 
 from opencoti_patch.markers.audit import audit
@@ -75,9 +77,9 @@ def test_real_series_is_snapshot_normalized(prepared: Project) -> None:
 
 def test_real_markers_audit(prepared: Project) -> None:
     if importlib.util.find_spec("opencoti_patch.markers.audit") is None:
-        pytest.skip("opencoti_patch.markers is not installed")
+        unavailable("opencoti_patch.markers is not installed")
     if not (prepared.patches / "series").is_file():
-        pytest.skip("the series is empty")
+        unavailable("the series is empty")
     prepared.run("markers", "--patches-dir", str(prepared.patches), "--tree", str(prepared.tree))
 
 
@@ -97,19 +99,57 @@ def test_real_markers_audit_fails_on_a_removed_marker(prepared: Project, tmp_pat
     assert len(broken.regions) == len(clean.regions) - 1
 
 
+def _apply_candidates(candidates: list[Path], tree: Path) -> list[str]:
+    """Apply ``candidates`` in order to ``tree`` as ``ci/device/h200.sh`` does (``git apply``, exact, no
+    fuzz); the reasons of those that do not apply."""
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.parent)}
+    failed = []
+    for cand in candidates:
+        res = subprocess.run(["git", "apply", "--whitespace=nowarn", str(cand)], cwd=tree, env=env,
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            failed.append(f"{cand.name} does not apply over the series: {res.stderr.strip()}")
+    return failed
+
+
+def _candidate_over_the_series(tree: Path, rel: str, dest: Path) -> Path:
+    """A candidate made here: one comment line added in the middle of ``rel``, a file the series adds (so
+    the candidate applies over the series and nowhere else), as a ``git diff``."""
+    old = (tree / rel).read_text().splitlines(keepends=True)
+    new = [*old[: len(old) // 2], "// opencoti: a candidate made by the test\n", *old[len(old) // 2:]]
+    diff = difflib.unified_diff(old, new, f"a/{rel}", f"b/{rel}")
+    dest.write_text(f"diff --git a/{rel} b/{rel}\n" + "".join(diff))
+    return dest
+
+
 def test_real_device_candidates_apply_over_the_series(prepared: Project, tmp_path: Path) -> None:
     """ci/device/candidates/*.patch (changes tried on the GPU before they join the series, `CANDIDATES=` of
     ci/device/h200.sh) apply exactly, in name order, over the applied series: a candidate gone stale with the
-    series would otherwise stop the device run at prepare, after the machine has started."""
-    candidates = sorted((REPO / "ci" / "device" / "candidates").glob("*.patch"))
-    if not candidates:
-        pytest.skip("no candidate patches")
-    _copy_touched(prepared.tree, [parse_patch(c) for c in candidates], tmp_path)
-    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)}
-    for cand in candidates:
-        res = subprocess.run(["git", "apply", "--whitespace=nowarn", str(cand)], cwd=tmp_path, env=env,
-                             capture_output=True, text=True)
-        assert res.returncode == 0, f"{cand.name} does not apply over the series: {res.stderr}"
+    series would otherwise stop the device run at prepare, after the machine has started. A candidate made
+    here runs the mechanism every time (the folder is often empty): it applies over the series, and fails
+    over pristine and once its context is gone."""
+    series = load_series(prepared.patches)
+    added = sorted(f.path for p in series for f in p.files if f.new_file and f.path.endswith((".cpp", ".h")))
+    assert added, "the series adds no source file"
+    made = _candidate_over_the_series(prepared.tree, added[0], tmp_path / "0000-made-here.patch")
+    real = sorted((REPO / "ci" / "device" / "candidates").glob("*.patch"))
+    candidates = [made, *real]
+    tree = tmp_path / "tree"
+    _copy_touched(prepared.tree, [*series, *(parse_patch(c) for c in candidates)], tree)
+    assert _apply_candidates(candidates, tree) == []
+    assert "a candidate made by the test" in (tree / added[0]).read_text()
+    # the same candidate is refused where its context is not the series': pristine (the file does not
+    # exist there), or the series with the lines it needs changed (a stale candidate)
+    without = tmp_path / "without-the-series"
+    without.mkdir()
+    assert _apply_candidates([made], without) != []
+    stale = tmp_path / "stale"
+    _copy_touched(prepared.tree, series, stale)
+    text = (stale / added[0]).read_text().splitlines(keepends=True)
+    mid = len(text) // 2
+    text[mid - 1:mid + 1] = ["// changed since the candidate was made\n"] * 2
+    (stale / added[0]).write_text("".join(text))
+    assert _apply_candidates([made], stale) != []
 
 
 def test_real_unapply_restores_pristine(prepared: Project) -> None:

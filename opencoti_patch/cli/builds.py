@@ -184,10 +184,12 @@ def verify_identical_cmd(settings: Settings, pristine_rev: str | None, patched_r
                          accept_not_checked: tuple[str, ...], as_json: bool,
                          cuda: bool | None, cuda_arch: str, cpu_variant: str, no_ccache: bool,
                          jobs: int | None, cmake_args: tuple[str, ...], no_progress: bool) -> None:
-    """Build pristine and patched with the same flags and prove the patches are default-off:
-    reproducible builds, byte-identical binaries wherever no patch feeds them, and bitwise-identical
-    logits, graph and buffer sizes with the feature off. Exit 4 on FAIL, and on INCOMPLETE (a check that
-    proves nothing in this run, e.g. --skip-repro) unless --accept-not-checked names its stage."""
+    """Build pristine and patched with the same flags and prove the patches are default-off: the
+    patched tree holds every file of every patch (the --patch-file diffs, else <patches-dir>/series;
+    neither is a FAIL), reproducible builds, byte-identical binaries wherever no patch feeds them, and
+    bitwise-identical, finite logits, graph and buffer sizes with the feature off. Exit 4 on FAIL, and on
+    INCOMPLETE (a stage that proves nothing in this run, e.g. --skip-repro) unless --accept-not-checked
+    names its stage."""
     tree = settings.tree
     if pristine_dir is not None:
         pristine: tuple[Path, str | None] = (pristine_dir, None)
@@ -205,9 +207,8 @@ def verify_identical_cmd(settings: Settings, pristine_rev: str | None, patched_r
                         ccache=not no_ccache, jobs=jobs,
                         extra_cmake=cmake_args)
     root = (verify_root or settings.work_dir / "verify").resolve()
-    series_dir = settings.patches_dir if (settings.patches_dir / "series").is_file() else None
     cfg = VerifyConfig(work=root, pristine=pristine, patched=patched, patch_files=patch_files,
-                       series_dir=series_dir, options=opts, repro=not skip_repro,
+                       series_dir=settings.patches_dir, options=opts, repro=not skip_repro,
                        kv_types=tuple(k.strip() for k in kv_types.split(",") if k.strip()),
                        prompt_tokens=prompt_tokens, decode=decode, seed=seed, threads=threads, model=model,
                        patched_args=tuple(a for arg in patched_args for a in arg.split()),

@@ -11,7 +11,14 @@ Both gates drive ``opencoti-harness-batch`` (``harness/``, built against a llama
 - **fidelity**: a long real text; prefill P tokens, then N teacher-forced single-token decode steps with the
   logits of every step dumped. KL(dense || sparse) over the full vocabulary and top-1 agreement per step, per
   budget. The select-all config (top-k covers every block, min-ctx 1 so the select op still runs) must give
-  logits bitwise identical to dense: anything else is a hard failure (plumbing check).
+  logits bitwise identical to dense: anything else is a hard failure (plumbing check), and a fidelity run
+  without it proves nothing.
+
+Each gate is judged by the shared verdict (:mod:`..verdict`): a gate check FAILs on a sparse config behind
+dense or not ahead of the window baseline, or on a NaN metric; it proves nothing (INCOMPLETE) on fewer than
+``min_samples`` gated samples (passkey: needles outside the always-kept blocks; fidelity: decode steps;
+:data:`MIN_GATE_SAMPLES` by default) or where dense itself fails the passkey floor; no gate at all is
+INCOMPLETE.
 
 The harness counts the SPARSE_ATTN_SELECT nodes computed in the decode steps: a sparse run where they are zero
 (the path silently fell back to dense) is an error, as is a dense run where they are not.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -39,6 +47,7 @@ import numpy as np
 from ..config import Settings, write_report
 from ..errors import CheckFailed, OpencotiError
 from ..stack.gitrun import run_git
+from ..verdict import Check, Verdict, verdict_of
 from .batch import Harness, Task, run_tasks, slug
 from .logits import compare_logits
 from .variants import DENSE, budget_config, select_all_config, window_config
@@ -155,6 +164,8 @@ def depth_bucket(depth: float, n_buckets: int = 5) -> int:
     return min(int(depth * n_buckets), n_buckets - 1)
 
 
+MIN_GATE_SAMPLES = 20  # gated passkey samples / fidelity decode steps a gate needs to prove anything
+
 NEEDLE_SPAN = 16  # tokens of the needle sentence, rounded up
 NEEDLE_SLACK = 16  # tokenizer slack of the estimated needle position
 
@@ -169,13 +180,20 @@ def needle_in_kept_blocks(needle_tok: int, n_tokens: int, cfg: dict[str, Any]) -
     return start < sink_end or end > recent_start
 
 
+def _status(reasons: Sequence[str], unproven: Sequence[str]) -> str:
+    """A gate check's status: FAIL on a failure reason, else "not checked" when it proved nothing."""
+    return "FAIL" if reasons else ("not checked" if unproven else "pass")
+
+
 def passkey_gate(samples: Sequence[PasskeySample], answers: dict[str, dict[str, str | None]],
                  configs: dict[str, dict[str, Any]], n_tokens: dict[str, int], gate_fraction: float = 0.5,
-                 gate_slack: int = 1, min_dense_accuracy: float = 0.9) -> dict[str, Any]:
+                 gate_slack: int = 1, min_dense_accuracy: float = 0.9,
+                 min_samples: int = MIN_GATE_SAMPLES) -> dict[str, Any]:
     """The passkey gate, per sparse config at ``gate_fraction``: counted only on samples whose needle lies
-    outside the always-kept sink/recent blocks (the others are reported apart), dense must be good there
-    (>= ``min_dense_accuracy``), the sparse config within ``gate_slack`` of dense, and strictly ahead of the
-    sliding-window baseline of the same attended size. Named by the share of the context attended."""
+    outside the always-kept sink/recent blocks (the others are reported apart), the sparse config within
+    ``gate_slack`` of dense and strictly ahead of the sliding-window baseline of the same attended size
+    (else FAIL). It proves nothing ("not checked") on fewer than ``min_samples`` such samples or where dense
+    itself finds fewer than ``min_dense_accuracy`` of them. Named by the share of the context attended."""
     def correct(name: str, group: Sequence[PasskeySample]) -> int:
         return sum(answers.get(name, {}).get(s.sid) == s.key for s in group)
 
@@ -202,28 +220,37 @@ def passkey_gate(samples: Sequence[PasskeySample], answers: dict[str, dict[str, 
             "kept_correct": correct(name, kept), "kept_dense_correct": correct("dense", kept),
             "window": windows[0] if windows else None,
             "window_correct": correct(windows[0], gated) if windows else None}
-        reasons = []
+        reasons: list[str] = []
+        unproven: list[str] = []  # the gate proved nothing: no samples to count, or dense itself is bad
         if not gated:
-            reasons.append("no sample with the needle outside the sink and recent blocks")
+            unproven.append("no sample with the needle outside the sink and recent blocks")
         elif c["dense_accuracy"] < min_dense_accuracy:
-            reasons.append(f"dense itself only {dense_ok}/{len(gated)} (< {min_dense_accuracy:.0%})")
+            unproven.append(f"dense itself only {dense_ok}/{len(gated)} (< {min_dense_accuracy:.0%})")
         if c["correct"] < dense_ok - gate_slack:
             reasons.append(f"{c['correct']} correct, dense {dense_ok} (slack {gate_slack})")
         if c["window"] is None:
             reasons.append("no window baseline at this budget")
         elif c["correct"] <= c["window_correct"]:
             reasons.append(f"does not beat the window baseline ({c['correct']} vs {c['window_correct']})")
-        c["reasons"] = reasons
-        c["passed"] = not reasons
+        if not unproven and not reasons and len(gated) < min_samples:
+            unproven.append(f"only {len(gated)} gated samples (needle outside the sink and recent blocks), "
+                            f"at least {min_samples} needed")
+        # with nothing to count or a dense control that fails itself, the comparisons mean nothing
+        c["reasons"] = unproven + reasons
+        c["status"] = "not checked" if unproven else _status(reasons, ())
+        c["passed"] = c["status"] == "pass"
         checks.append(c)
-    return {"fraction": gate_fraction, "slack": gate_slack, "min_dense_accuracy": min_dense_accuracy,
-            "dense_correct": checks[0]["dense_correct"] if checks else 0, "checks": checks,
-            "passed": bool(checks) and all(c["passed"] for c in checks)}
+    gate = {"fraction": gate_fraction, "slack": gate_slack, "min_dense_accuracy": min_dense_accuracy,
+            "min_samples": min_samples, "dense_correct": checks[0]["dense_correct"] if checks else 0,
+            "checks": checks}
+    return gate | {"verdict": gate_verdict("passkey", gate).verdict,
+                   "passed": bool(checks) and all(c["passed"] for c in checks)}
 
 
 def passkey_summary(samples: Sequence[PasskeySample], answers: dict[str, dict[str, str | None]],
                     configs: dict[str, dict[str, Any]], n_tokens: dict[str, int] | None = None,
-                    gate_fraction: float = 0.5, gate_slack: int = 1, n_buckets: int = 5) -> dict[str, Any]:
+                    gate_fraction: float = 0.5, gate_slack: int = 1, n_buckets: int = 5,
+                    min_samples: int = MIN_GATE_SAMPLES) -> dict[str, Any]:
     """Accuracy per context/config, agreement with dense, accuracy per depth bucket, and the gate.
 
     ``answers[config_name][sample_id]`` = parsed answer; ``configs[config_name]`` = describe() per context
@@ -256,7 +283,8 @@ def passkey_summary(samples: Sequence[PasskeySample], answers: dict[str, dict[st
         buckets.append(row)
     overall = [{"config": n, **t, "accuracy": t["correct"] / t["n"] if t["n"] else 0.0,
                 "agreement": t["same"] / t["n"] if t["n"] else 0.0} for n, t in totals.items()]
-    gate = passkey_gate(samples, answers, configs, n_tokens or {}, gate_fraction, gate_slack)
+    gate = passkey_gate(samples, answers, configs, n_tokens or {}, gate_fraction, gate_slack,
+                        min_samples=min_samples)
     disagreements = [{"sid": s.sid, "n_ctx": s.n_ctx, "depth": s.depth, "key": s.key,
                       **{n: answers[n].get(s.sid) for n in names}}
                      for s in samples
@@ -286,7 +314,8 @@ def passkey_requests(group: Sequence[PasskeySample], n_generate: int,
 
 def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractions: Sequence[float],
                 accounting: str, n_generate: int = 8, jobs: int = 2, reuse: bool = True,
-                gate_fraction: float = 0.5, show_progress: bool = True) -> dict[str, Any]:
+                gate_fraction: float = 0.5, show_progress: bool = True,
+                min_samples: int = MIN_GATE_SAMPLES) -> dict[str, Any]:
     t_start = time.monotonic()
     fit = calibrate_tokens(harness)
     samples = passkey_samples(seed, per_ctx, fit)
@@ -313,7 +342,8 @@ def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractio
             raw.setdefault(cfg.name, {})[r["id"]] = {k: r.get(k) for k in ("n_tokens", "text", "select_nodes",
                                                                              "decode_steps", "reused")}
     n_tokens = {sid: int(r["n_tokens"]) for sid, r in raw["dense"].items()}
-    summary = passkey_summary(samples, answers, configs, n_tokens, gate_fraction=gate_fraction)
+    summary = passkey_summary(samples, answers, configs, n_tokens, gate_fraction=gate_fraction,
+                              min_samples=min_samples)
     for d in summary["disagreements"]:  # what each config actually generated there
         d["texts"] = {name: raw[name][d["sid"]]["text"] for name in raw if d["sid"] in raw[name]}
     prompt_tokens = {n: sorted(raw["dense"][s.sid]["n_tokens"] for s in samples if s.n_ctx == n)
@@ -361,7 +391,7 @@ def fidelity_text(docs_dir: Path, max_chars: int) -> tuple[str, list[str]]:
 def run_fidelity(harness: Harness, *, docs_dir: Path, contexts: Sequence[int], steps: int,
                  fractions: Sequence[float], accounting: str, jobs: int = 2, work_dir: Path | None = None,
                  window_baseline: bool = True, gate_fraction: float = 0.5,
-                 show_progress: bool = True) -> dict[str, Any]:
+                 show_progress: bool = True, min_samples: int = MIN_GATE_SAMPLES) -> dict[str, Any]:
     t_start = time.monotonic()
     runs: list[dict[str, Any]] = []
     timings: list[dict[str, Any]] = []
@@ -395,15 +425,22 @@ def run_fidelity(harness: Harness, *, docs_dir: Path, contexts: Sequence[int], s
                 d.unlink(missing_ok=True)
     bad = [r for r in runs if r["config"] == "select-all" and not r["identical"]]
     return {"steps": steps, "fractions": list(fractions), "accounting": accounting, "docs_dir": str(docs_dir),
+            "min_samples": min_samples,
             "runs": runs, "timings": timings, "seconds": time.monotonic() - t_start, "jobs": jobs,
             "select_all_identical": not bad and any(r["config"] == "select-all" for r in runs),
-            "gate": fidelity_gate(runs, gate_fraction)}
+            "gate": fidelity_gate(runs, gate_fraction, min_samples)}
 
 
-def fidelity_gate(runs: Sequence[dict[str, Any]], gate_fraction: float = 0.5) -> dict[str, Any]:
+def _not_finite(r: dict[str, Any], keys: Sequence[str]) -> list[str]:
+    return [k for k in keys if k in r and not math.isfinite(float(r[k]))]
+
+
+def fidelity_gate(runs: Sequence[dict[str, Any]], gate_fraction: float = 0.5,
+                  min_samples: int = MIN_GATE_SAMPLES) -> dict[str, Any]:
     """Per context: the sparse config at ``gate_fraction`` must beat the sliding-window baseline of the same
-    attended size, on KL(dense || .) (strictly lower mean) and on the text's NLL (not higher); with no window
-    run the gate fails (a selector that recency alone matches adds nothing)."""
+    attended size, on KL(dense || .) (strictly lower mean) and on the text's NLL (not higher); a NaN or
+    infinite KL or NLL, or no window run, fails it (a selector that recency alone matches adds nothing). It
+    proves nothing ("not checked") over fewer than ``min_samples`` decode steps or without an NLL."""
     def at_gate(r: dict[str, Any], window: bool) -> bool:
         cfg = r.get("cfg", {})
         is_window = cfg.get("window", str(r.get("config", "")).startswith("window-"))  # runs recorded before
@@ -412,43 +449,109 @@ def fidelity_gate(runs: Sequence[dict[str, Any]], gate_fraction: float = 0.5) ->
     checks = []
     for r in (r for r in runs if at_gate(r, False)):
         w = next((x for x in runs if x["n_ctx"] == r["n_ctx"] and at_gate(x, True)), None)
-        reasons = []
+        reasons: list[str] = []
+        unproven: list[str] = []
+        steps = r.get("steps")
+        if steps is not None and steps < min_samples:
+            unproven.append(f"only {steps} decode steps, at least {min_samples} needed")
+        bad = _not_finite(r, ("kl_mean", "nll", "nll_ref")) + [f"window {k}" for k in
+                                                              _not_finite(w or {}, ("kl_mean", "nll"))]
+        if bad:
+            reasons.append(f"not finite: {', '.join(bad)}")
         if w is None:
             reasons.append("no window baseline at this budget")
-        else:
+        elif not bad:
             if not r["kl_mean"] < w["kl_mean"]:
                 reasons.append(f"KL mean {r['kl_mean']:.3g} not below the window's {w['kl_mean']:.3g}")
-            if "nll" in r and "nll" in w and r["nll"] > w["nll"]:
+            if "nll" not in r or "nll" not in w:
+                unproven.append("no NLL of the text (no targets)")
+            elif r["nll"] > w["nll"]:
                 reasons.append(f"NLL {r['nll']:.4f} above the window's {w['nll']:.4f}")
+        status = _status(reasons, unproven)
         checks.append({"n_ctx": r["n_ctx"], "config": r["config"], "window": w["config"] if w else None,
                        "attended_fraction": r["cfg"]["attended_fraction"], "kl_mean": r["kl_mean"],
                        "window_kl_mean": w["kl_mean"] if w else None, "nll": r.get("nll"),
-                       "window_nll": w.get("nll") if w else None, "reasons": reasons, "passed": not reasons})
-    return {"fraction": gate_fraction, "checks": checks,
-            "passed": bool(checks) and all(c["passed"] for c in checks)}
+                       "window_nll": w.get("nll") if w else None, "steps": steps,
+                       "reasons": reasons + unproven, "status": status, "passed": status == "pass"})
+    gate = {"fraction": gate_fraction, "min_samples": min_samples, "checks": checks}
+    return gate | {"verdict": gate_verdict("fidelity", gate).verdict,
+                   "passed": bool(checks) and all(c["passed"] for c in checks)}
 
 
-def check_gates(update: dict[str, Any]) -> None:
-    """Raise on any failed gate of an eval run (select-all identity first: the plumbing must be exact)."""
+def _gate_check(stage: str, c: dict[str, Any]) -> Check:
+    """One config's gate result as a :class:`..verdict.Check` (records without a status: pass/FAIL)."""
+    name = f"{stage} {c.get('n_ctx', '')} {c['config']}".replace("  ", " ")
+    status = c.get("status", "pass" if c["passed"] else "FAIL")
+    passed = None if status == "not checked" else status == "pass"
+    return Check(name, stage, passed, "; ".join(c["reasons"]) or "pass", list(c["reasons"]))
+
+
+def gate_verdict(stage: str, gate: dict[str, Any]) -> Verdict:
+    """The verdict of one gate: no sparse config at the gate budget is INCOMPLETE."""
+    checks = [_gate_check(stage, c) for c in gate["checks"]]
+    return verdict_of(checks, [stage])
+
+
+def select_all_check(fid: dict[str, Any]) -> Check:
+    """select-all (every block selected, the select op running) must give logits bitwise equal to dense,
+    and dense's must be finite; a fidelity result without a select-all run proves nothing of the plumbing."""
+    runs = [r for r in fid.get("runs", []) if r["config"] == "select-all"]
+    name = "select-all = dense"
+    if not runs:
+        return Check(name, "select-all", None, "no select-all run: the sparse plumbing was not checked")
+    ev = [f"{r['n_ctx']}: {'identical' if r['identical'] else 'differs'} (KL mean {r['kl_mean']:.3g}, "
+          f"top-1 agreement {r['top1_agreement']:.2%})" for r in runs]
+    bad = [r for r in runs if not r["identical"]]
+    if bad:
+        r = bad[0]
+        return Check(name, "select-all", False, f"fidelity {r['n_ctx']}: select-all logits differ from dense "
+                     f"(KL mean {r['kl_mean']:.3g}, top-1 agreement {r['top1_agreement']:.2%}): the sparse "
+                     "plumbing is not exact", ev)
+    nan = [r for r in runs if _not_finite(r, ("kl_mean", "nll_ref"))]
+    if nan:
+        return Check(name, "select-all", False, f"fidelity {nan[0]['n_ctx']}: dense logits not finite "
+                     "(identical NaN proves nothing)", ev)
+    return Check(name, "select-all", True, f"bitwise identical at {', '.join(str(r['n_ctx']) for r in runs)}",
+                 ev)
+
+
+def gate_checks(update: dict[str, Any]) -> tuple[list[Check], list[str]]:
+    """Every check of an eval run and the stages it requires (select-all first: the plumbing must be
+    exact). A gate with no sparse config at its budget gets a "not checked" entry."""
+    checks: list[Check] = []
+    stages: list[str] = []
     if "fidelity" in update:
-        check_select_all(update["fidelity"])
-        g = update["fidelity"]["gate"]
-        if not g["passed"]:
-            why = [f"{c['n_ctx']} {c['config']}: {'; '.join(c['reasons'])}" for c in g["checks"]]
-            raise CheckFailed(f"fidelity gate failed: {', '.join(why) or 'no sparse run at the gate budget'}")
-    if "passkey" in update:
-        g = update["passkey"]["summary"]["gate"]
-        if not g["passed"]:
-            why = [f"{c['config']}: {'; '.join(c['reasons'])}" for c in g["checks"]]
-            raise CheckFailed(f"passkey gate failed: {', '.join(why) or 'no sparse run at the gate budget'}")
+        checks.append(select_all_check(update["fidelity"]))
+        stages += ["select-all", "fidelity"]
+    for stage, gate in (("fidelity", (update.get("fidelity") or {}).get("gate")),
+                        ("passkey", ((update.get("passkey") or {}).get("summary") or {}).get("gate"))):
+        if stage not in update:
+            continue
+        if stage == "passkey":
+            stages.append(stage)
+        if gate is None:
+            checks.append(Check(f"{stage} gate", stage, None, "no gate result in this run"))
+            continue
+        gate_cs = [_gate_check(stage, c) for c in gate["checks"]]
+        checks += gate_cs or [Check(f"{stage} gate", stage, None, "no sparse run at the gate budget")]
+    return checks, stages
+
+
+def check_gates(update: dict[str, Any]) -> Verdict:
+    """The verdict of an eval run's gates; raise unless it is PASS (no gate at all: INCOMPLETE)."""
+    checks, stages = gate_checks(update)
+    v = verdict_of(checks, stages)
+    if not v.passed:
+        why = [f"{c.name}: {c.summary}" for c in checks if c.passed is not True] or ["no gate ran"]
+        raise CheckFailed(f"quality gates {v.verdict}: {'; '.join(why)}")
+    return v
 
 
 def check_select_all(fid: dict[str, Any]) -> None:
-    for r in fid["runs"]:
-        if r["config"] == "select-all" and not r["identical"]:
-            raise CheckFailed(f"fidelity {r['n_ctx']}: select-all logits differ from dense (KL mean "
-                              f"{r['kl_mean']:.3g}, top-1 agreement {r['top1_agreement']:.2%}): the sparse "
-                              "plumbing is not exact")
+    """Raise unless the fidelity result has select-all runs, all bitwise equal to dense."""
+    c = select_all_check(fid)
+    if c.passed is not True:
+        raise CheckFailed(c.summary)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -498,7 +601,7 @@ def save_gate_results(out_dir: Path, name: str, update: dict[str, Any],
     data = merge_results(json_path, update)
     fid = data.get("fidelity")
     if fid and "gate" not in fid:  # recorded before the gate existed: apply it to the recorded runs
-        fid["gate"] = fidelity_gate(fid["runs"])
+        fid["gate"] = fidelity_gate(fid["runs"], min_samples=int(fid.get("min_samples", MIN_GATE_SAMPLES)))
     write_report(md_path, render_report(default_template_dirs(), data))
     return md_path, json_path
 

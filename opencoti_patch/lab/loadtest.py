@@ -5,30 +5,37 @@ Starts llama-server (loopback, a free port, ``--parallel 4 -fa on`` + per-varian
 schedule of long-prompt requests from a thread pool: a mix of ``/completion`` and
 ``/v1/completions``, streamed (SSE) and not, some streams closed after a few chunks (cancelled), a
 subset of prompts sent twice at different positions. Every prompt is a different slice of a real
-text corpus carrying a unique marker, so each output can be attributed to its request.
+text corpus carrying a unique marker, and in the middle of that slice a unique key ("The key of document
+<marker> is <key>."), so each output can be attributed to its request and to its own context.
 
-Checks (each one a named pass/fail in the report):
+Checks (each a :class:`..verdict.Check`: pass, FAIL or "not checked"; the verdict through ``verdict_of``):
 - ``no_5xx`` / ``no_transport_errors``: every request answered, none with a 5xx.
 - ``valid_json``: every non-streamed body and every SSE ``data:`` chunk parses as JSON.
 - ``attribution``: ``tokens_evaluated`` / ``usage.prompt_tokens`` equal the prompt's own token count,
   the echoed ``prompt`` holds the request's own marker and no other, no output holds a foreign marker
   (a request's text fed back as another's input shows up here).
-- ``marker_echo``: every prompt ends by asking for its own marker again ("The identifier of this
-  document is"), so a real model copies it into the answer: at least ``--min-marker-echo`` of the
-  finished answers must hold their own marker. Without it the foreign-marker check above could never
-  fire (answers that hold no marker at all prove nothing about slots mixing).
+- ``key_echo``: every prompt ends by asking for the key placed in the middle of its own context ("The
+  key of document <marker> is"), so a real model copies it into the answer: at least ``--min-key-echo``
+  of the finished answers must hold their own key. An answer can only do so by reading its own context:
+  one that repeats its own marker (which the question holds) but continues another request's context
+  fails here, and one that holds another request's key fails ``attribution``. Without it the foreign
+  checks could never fire (answers that hold no key prove nothing about slots mixing); ``--min-key-echo
+  0`` (a random-weight model) makes it "not checked".
 - ``isolated_deterministic``: after the load, ``--isolated`` prompts are re-sent one at a time with the
   prompt cache off (the first one twice); at temperature 0 they must repeat exactly. Under load a
   repeated prompt (sent twice at different positions, streamed or not) is compared too, but only
   reported (``--strict-load-determinism`` makes it a check): llama-server is not batch-invariant
   (with ``--parallel`` > 1 a prompt's ubatches are cut differently depending on which other slots are
   busy, and CPU FA / matmul round differently for other ubatch shapes), dense included.
-- ``rss_flat``: the server's RSS (``/proc/<pid>/status``, sampled) peaks at most a threshold above
-  its value after warm-up (the peak, not the last sample).
-- ``gpu_mem_flat``: the same for the server's GPU memory (``nvidia-smi --query-compute-apps``), where
-  nvidia-smi lists the server process.
-  Neither can be measured without the server's pid (``--url`` without ``--server-pid``): they are then
-  listed as "not checked" and the verdict is INCOMPLETE (exit 4) unless ``--accept-not-checked``.
+- ``rss_flat``: the server's RSS (``/proc/<pid>/status``), sampled throughout the load (a timer, and
+  once when the warm-up requests are done: the baseline), peaks at most a threshold above the baseline
+  (the peak, not the last sample). Fewer than :data:`MIN_MEMORY_SAMPLES` samples from the baseline to the
+  end (e.g. only a start and an end sample) prove nothing: "not checked".
+- ``gpu_mem_flat``: the same for the server's GPU memory (``nvidia-smi --query-compute-apps``); "not
+  checked" where nvidia-smi lists no memory for the server (no GPU, no nvidia-smi).
+  Neither can be measured without the server's pid (``--url`` without ``--server-pid``): "not checked".
+  A check not checked makes the verdict INCOMPLETE (exit 4) unless ``--accept-not-checked CHECK`` names it
+  (bare: any).
 - ``server_alive``: the server still answers ``/health`` after the run and did not exit.
 - ``--expect-equal A:B``: two variants give identical text on the isolated reference (e.g. sparse
   select-all vs dense); their agreement under load is reported beside it.
@@ -61,13 +68,16 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..config import Settings, write_report  # standard library only, like this module
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_CHECK_FAILED = 4  # same code as errors.CheckFailed
+from ..errors import EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK
+from ..verdict import Check, Verdict, verdict_of
 
 DEFAULT_CORPUS = "<tree>/docs/**/*.md"  # the vendored tree's docs (opencoti_patch.config.Settings)
 MARKER_RE = re.compile(r"LT[0-9a-f]{2}-\d{4}-[0-9a-f]{6}")
+KEY_RE = re.compile(r"KY[0-9a-f]{2}-\d{4}-[0-9a-f]{6}")  # the per-request key placed inside the context
+MIN_MEMORY_SAMPLES = 3  # from the post-warm-up baseline to the end: baseline, >= 1 during the load, end
+# every check of a variant, one stage each (accepted by name when not checked)
+STAGES = ("all_started", "no_5xx", "no_transport_errors", "valid_json", "no_server_errors", "attribution",
+          "key_echo", "isolated_ok", "isolated_deterministic", "rss_flat", "gpu_mem_flat", "server_alive")
 BOS_PREFIXES = ("<bos>", "<s>", "<|begin_of_text|>")
 
 
@@ -99,7 +109,7 @@ class LoadConfig:
     warmup_frac: float = 0.1
     rss_growth_mib: float = 64.0
     gpu_growth_mib: float = 64.0
-    min_marker_echo: float = 0.9  # share of finished answers that must hold their own marker
+    min_key_echo: float = 0.9  # share of finished answers that must hold their own context's key
     isolated: int = 4  # prompts re-sent one at a time, uncached, after the load (batch-invariant reference)
     strict_load_determinism: bool = False  # llama-server is not batch-invariant: see module doc
 
@@ -112,7 +122,7 @@ class LoadConfig:
         if self.shared_prefix_tokens and self.shared_prefix_tokens + 64 > self.min_tokens:
             raise LoadTestError("shared-prefix-tokens must leave >= 64 tokens of min-tokens for the slice")
         for name in ("stream_frac", "cancel_frac", "v1_frac", "repeat_frac", "warmup_frac",
-                     "shared_prefix_frac", "min_marker_echo"):
+                     "shared_prefix_frac", "min_key_echo"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise LoadTestError(f"{name} must be in [0, 1]")
         if self.repeat_frac > 0.5:
@@ -148,6 +158,7 @@ class Spec:
     rid: str  # its marker
     prompt: str
     n_tokens: int  # with BOS, as the server counts tokens_evaluated
+    fact: str = ""  # the key placed in the middle of its context, which the answer must repeat
 
 
 @dataclass
@@ -169,6 +180,7 @@ class Outcome:
     stream: bool
     repeat_of: int | None
     cancel_after: int | None
+    fact: str = ""  # the key of its context that the answer should repeat
     status: int | None = None
     errors: list[str] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)  # check names the errors belong to
@@ -351,19 +363,25 @@ def load_corpus(patterns: Sequence[str], min_chars: int = 20000) -> str:
     corpus = "\n\n".join(t for t in texts if t.strip())
     if len(corpus) < min_chars:
         raise LoadTestError(f"corpus from {list(patterns)} has {len(corpus)} chars, need >= {min_chars}")
-    # no marker-like strings in the corpus itself (they would read as foreign markers)
-    return MARKER_RE.sub("LT--", corpus)
+    # no marker- or key-like strings in the corpus itself (they would read as foreign ones)
+    return KEY_RE.sub("KY--", MARKER_RE.sub("LT--", corpus))
 
 
 def marker(seed: int, key: int, rng: random.Random) -> str:
     return f"LT{seed % 256:02x}-{key:04d}-{rng.getrandbits(24):06x}"
 
 
-def _frame(rid: str, body: str) -> tuple[str, str]:
-    # the last line asks for the marker again: a model copies it into its answer (marker_echo)
-    return (f"\n\n=== document {rid} ===\n{body}",
-            f"\n=== end of document {rid} ===\nThe identifier of this document is {rid}.\n"
-            "The identifier of this document is")
+def context_key(seed: int, key: int, rng: random.Random) -> str:
+    return f"KY{seed % 256:02x}-{key:04d}-{rng.getrandbits(24):06x}"
+
+
+def _frame(rid: str, fact: str, body: str) -> tuple[str, str]:
+    """(head with the body, tail): the key sentence sits in the middle of the body, and the last line
+    asks for it with the same words, so a model copies the key from its own context (key_echo)."""
+    cut = body.rfind("\n", 0, len(body) // 2) + 1 or len(body) // 2
+    middle = f"\nThe key of document {rid} is {fact}.\n"
+    return (f"\n\n=== document {rid} ===\n{body[:cut]}{middle}{body[cut:]}",
+            f"\n=== end of document {rid} ===\nThe key of document {rid} is")
 
 
 def _fit(make: Callable[[int], str], target: int, tokenize: Callable[[str], int], chars0: int,
@@ -407,6 +425,7 @@ def build_specs(corpus: str, cfg: LoadConfig, n_unique: int,
     for key in range(n_unique):
         target = rng.randint(cfg.min_tokens, cfg.max_tokens)
         rid = marker(cfg.seed, key, rng)
+        fact = context_key(cfg.seed, key, rng)
         off = offsets[key]
         # only some prompts share the cached prefix: the others start cold, in the same batches (the first
         # two prompts one of each, so that both kinds exist for any 0 < frac < 1)
@@ -414,13 +433,13 @@ def build_specs(corpus: str, cfg: LoadConfig, n_unique: int,
         pre = prefix if first < cfg.shared_prefix_frac else ""
         n_pre = cfg.shared_prefix_tokens if pre else 0
 
-        def make(chars: int, off: int = off, rid: str = rid, pre: str = pre) -> str:
-            head, tail = _frame(rid, big[off:off + chars])
+        def make(chars: int, off: int = off, rid: str = rid, fact: str = fact, pre: str = pre) -> str:
+            head, tail = _frame(rid, fact, big[off:off + chars])
             return pre + head + tail
 
         text, n = _fit(make, target, tokenize, int((target - n_pre) * ratio), cfg.min_tokens, cfg.max_tokens)
         ratio = max(1.0, len(text) / n)
-        specs.append(Spec(key=key, rid=rid, prompt=text, n_tokens=n))
+        specs.append(Spec(key=key, rid=rid, prompt=text, n_tokens=n, fact=fact))
     return specs
 
 
@@ -484,8 +503,15 @@ def request_body(job: Job, cfg: LoadConfig, cache_prompt: bool = True) -> tuple[
     return "/completion", {"n_predict": cfg.n_predict, **common}
 
 
-def _foreign(text: str, own: str) -> list[str]:
-    return sorted({m for m in MARKER_RE.findall(text) if m != own})
+def _foreign(text: str, own: str, pattern: re.Pattern[str] = MARKER_RE) -> list[str]:
+    return sorted({m for m in pattern.findall(text) if m != own})
+
+
+def _check_content(job: Job, out: Outcome) -> None:
+    """The whole answer (a key may span stream chunks): no other request's marker or key."""
+    foreign = _foreign(out.content, job.spec.rid) + _foreign(out.content, job.spec.fact, KEY_RE)
+    if foreign:
+        out.fail("attribution", f"answer holds another request's marker or key: {foreign[:3]}")
 
 
 def _check_chunk(job: Job, obj: Any, out: Outcome, final: bool) -> tuple[str, bool]:
@@ -525,8 +551,6 @@ def _check_chunk(job: Job, obj: Any, out: Outcome, final: bool) -> tuple[str, bo
     if not isinstance(text, str):
         out.fail("schema", "text is not a string")
         return "", is_final
-    if _foreign(text, rid):
-        out.fail("attribution", f"output holds foreign marker(s) {_foreign(text, rid)[:3]}")
     if is_final or final:
         t = obj.get("timings")
         if isinstance(t, dict):
@@ -548,7 +572,7 @@ def _status_check(out: Outcome, status: int, body: bytes) -> bool:
 def run_one(transport: Transport, base_url: str, job: Job, cfg: LoadConfig, timeout: float,
             cache_prompt: bool = True) -> Outcome:
     out = Outcome(pos=job.pos, key=job.spec.key, rid=job.spec.rid, endpoint=job.endpoint, stream=job.stream,
-                  repeat_of=job.repeat_of, cancel_after=job.cancel_after)
+                  repeat_of=job.repeat_of, cancel_after=job.cancel_after, fact=job.spec.fact)
     path, body = request_body(job, cfg, cache_prompt)
     t0 = out.t_start = time.monotonic()
     try:
@@ -563,6 +587,7 @@ def run_one(transport: Transport, base_url: str, job: Job, cfg: LoadConfig, time
                     out.content, _ = _check_chunk(job, obj, out, final=True)
         else:
             _run_stream(transport, base_url + path, body, job, out, timeout, t0)
+        _check_content(job, out)
     except (OSError, http.client.HTTPException) as exc:
         out.fail("no_transport_errors", f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # requests' own exceptions (not OSError subclasses in every version)
@@ -645,8 +670,9 @@ def nvidia_smi_mib(pid: int) -> int | None:
 
 
 class RssSampler:
-    """Samples VmRSS of a pid (and how many requests were done at that time) in a thread; with ``gpu``
-    (pid -> MiB or None, e.g. :func:`nvidia_smi_mib`) its GPU memory too."""
+    """Samples VmRSS of a pid (and how many requests were done at that time) in a thread, and on demand
+    (:meth:`sample`: the load samples after every request); with ``gpu`` (pid -> MiB or None, e.g.
+    :func:`nvidia_smi_mib`) its GPU memory too."""
 
     def __init__(self, pid: int | None, interval_s: float, done: Callable[[], int],
                  gpu: Callable[[int], int | None] | None = None) -> None:
@@ -666,13 +692,14 @@ class RssSampler:
             return None
         return None
 
-    def sample(self) -> None:
+    def sample(self, gpu_too: bool = True) -> None:
+        """One sample of the RSS, and of the GPU memory unless ``gpu_too`` is False (nvidia-smi is slow)."""
         if self.pid is None:
             return
         rss = self.read_rss_kib(self.pid)
         if rss is not None:
             self.samples.append((time.monotonic(), rss, self._done()))
-        gpu = self._gpu(self.pid) if self._gpu is not None else None
+        gpu = self._gpu(self.pid) if self._gpu is not None and gpu_too else None
         if gpu is not None:
             self.gpu_samples.append((time.monotonic(), gpu * 1024, self._done()))
 
@@ -692,15 +719,22 @@ class RssSampler:
 
 
 def rss_summary(samples: Sequence[tuple[float, int, int]], warmup_done: int) -> dict[str, Any] | None:
+    """Memory samples (t, KiB, requests done) judged from the post-warm-up baseline (the first sample with
+    ``warmup_done`` requests done) to the peak after it; with fewer than :data:`MIN_MEMORY_SAMPLES` samples
+    from the baseline to the end there is no baseline to judge from (``problem`` says why)."""
     if not samples:
         return None
     mib = [s[1] / 1024.0 for s in samples]
-    warm_i = next((i for i, s in enumerate(samples) if s[2] >= warmup_done), len(samples) - 1)
+    warm_i = next((i for i, s in enumerate(samples) if s[2] >= warmup_done), len(samples))
     after = mib[warm_i:]
-    return {"samples": len(samples), "start_mib": round(mib[0], 1), "warm_mib": round(mib[warm_i], 1),
-            "peak_mib": round(max(mib), 1), "end_mib": round(mib[-1], 1),
-            "growth_after_warmup_mib": round(mib[-1] - mib[warm_i], 1),
-            "peak_after_warmup_mib": round(max(after) - mib[warm_i], 1)}
+    out: dict[str, Any] = {"samples": len(samples), "after_warmup": len(after), "start_mib": round(mib[0], 1),
+                           "peak_mib": round(max(mib), 1), "end_mib": round(mib[-1], 1)}
+    if len(after) < MIN_MEMORY_SAMPLES:
+        return out | {"problem": f"{len(after)} sample(s) from the post-warm-up baseline to the end, "
+                                 f"at least {MIN_MEMORY_SAMPLES} needed ({len(samples)} in all)"}
+    warm = mib[warm_i]
+    return out | {"warm_mib": round(warm, 1), "growth_after_warmup_mib": round(mib[-1] - warm, 1),
+                  "peak_after_warmup_mib": round(max(after) - warm, 1)}
 
 
 def run_load(transport: Transport, base_url: str, jobs: Sequence[Job], cfg: LoadConfig,
@@ -711,24 +745,28 @@ def run_load(transport: Transport, base_url: str, jobs: Sequence[Job], cfg: Load
     done = [0]
     t_begin = time.monotonic()
     deadline = t_begin + cfg.time_limit_s
+    warmup_done = int(round(len(jobs) * cfg.warmup_frac))
+    sampler = RssSampler(pid, cfg.rss_interval_s, lambda: done[0], gpu)
 
     def work(job: Job) -> Outcome:
         now = time.monotonic()
         if now >= deadline:
             return Outcome(pos=job.pos, key=job.spec.key, rid=job.spec.rid, endpoint=job.endpoint,
                            stream=job.stream, repeat_of=job.repeat_of, cancel_after=job.cancel_after,
-                           skipped=True)
+                           fact=job.spec.fact, skipped=True)
         timeout = max(10.0, min(cfg.request_timeout_s, deadline - now + cfg.request_timeout_s / 4))
         out = run_one(transport, base_url, job, cfg, timeout)
         with lock:
             done[0] += 1
             n = done[0]
+        # the RSS after every request (a /proc read), the GPU memory on the timer and at the warm-up baseline
+        sampler.sample(gpu_too=n == warmup_done)
         if progress and (n % max(1, len(jobs) // 20) == 0 or out.errors):
             tail = f" ERR {out.errors[0][:120]}" if out.errors else ""
             progress(f"  {n}/{len(jobs)} done, {time.monotonic() - t_begin:.0f}s{tail}")
         return out
 
-    with RssSampler(pid, cfg.rss_interval_s, lambda: done[0], gpu) as sampler:
+    with sampler:
         with ThreadPoolExecutor(max_workers=cfg.concurrency) as pool:
             outcomes = list(pool.map(work, jobs))
     return {"outcomes": outcomes, "wall_s": time.monotonic() - t_begin, "rss_samples": sampler.samples,
@@ -802,10 +840,7 @@ def summarize(name: str, run: dict[str, Any], cfg: LoadConfig, server: dict[str,
     outs: list[Outcome] = run["outcomes"]
     started = [o for o in outs if not o.skipped]
     complete = [o for o in outs if o.complete]
-    kinds: dict[str, int] = {}
-    for o in outs:
-        for k in dict.fromkeys(o.kinds):
-            kinds[k] = kinds.get(k, 0) + 1
+    kinds = error_kinds(outs)
     lat = [o.latency_s for o in complete]
     ttft = [o.ttft_s for o in complete if o.ttft_s is not None]
     timed = [o for o in complete if o.predicted_n and o.predicted_ms]
@@ -815,33 +850,9 @@ def summarize(name: str, run: dict[str, Any], cfg: LoadConfig, server: dict[str,
     rss = rss_summary(run["rss_samples"], warmup_done)
     gpu = rss_summary(run.get("gpu_samples", []), warmup_done)
     det = determinism(outs)
-    answered = [o for o in complete if o.content]
-    echoed = sum(o.rid in o.content for o in answered)
-    checks: dict[str, bool] = {
-        "all_started": len(started) == len(outs),
-        "no_5xx": kinds.get("no_5xx", 0) == 0,
-        "no_transport_errors": kinds.get("no_transport_errors", 0) == 0,
-        "valid_json": kinds.get("valid_json", 0) == 0,
-        "no_server_errors": all(kinds.get(k, 0) == 0 for k in ("server_error", "http_status", "schema",
-                                                                  "stream_complete")),
-        "attribution": kinds.get("attribution", 0) == 0,
-        # answers without any marker cannot show a foreign one: the attribution check needs them
-        "marker_echo": bool(answered) and echoed >= cfg.min_marker_echo * len(answered),
-        "isolated_ok": all(o.complete for o in iso),
-        "isolated_deterministic": iso_det["mismatches"] == 0,
-        "server_alive": bool(server.get("alive_after", True)),
-    }
-    if cfg.strict_load_determinism:
-        checks["deterministic_under_load"] = det["mismatches"] == 0
-    not_checked: list[str] = []
-    if rss is not None:
-        checks["rss_flat"] = rss["peak_after_warmup_mib"] <= cfg.rss_growth_mib
-    else:
-        not_checked.append("rss_flat: no server pid to sample (--url without --server-pid)")
-    if gpu is not None:
-        checks["gpu_mem_flat"] = gpu["peak_after_warmup_mib"] <= cfg.gpu_growth_mib
-    elif run.get("pid") is None:
-        not_checked.append("gpu_mem_flat: no server pid to sample")
+    echoed, answered = key_echo(outs)
+    checks = variant_checks(name, run, cfg, server, rss, gpu)
+    verdict = verdict_of(checks, STAGES)
     return {
         "name": name,
         "server": server,
@@ -864,13 +875,106 @@ def summarize(name: str, run: dict[str, Any], cfg: LoadConfig, server: dict[str,
         "prompt_tps_per_request": _r(sum(o.prompt_n or 0 for o in ptimed)
                                      / max(1e-9, sum(o.prompt_ms or 0 for o in ptimed) / 1000.0)),
         "generated_tps_aggregate": _r(gen_tokens / max(1e-9, run["wall_s"])),
-        "marker_echo": f"{echoed}/{len(answered)}",
+        "key_echo": f"{echoed}/{answered}",
         "rss": rss, "gpu": gpu, "determinism": det, "isolated": {"requests": len(iso), "determinism": iso_det,
                                                       "errors": [o.errors[:2] for o in iso if o.errors]},
         "errors_sample": [{"pos": o.pos, "rid": o.rid, "errors": o.errors[:3]}
                           for o in outs if o.errors][:10],
-        "checks": checks, "not_checked": not_checked, "passed": all(checks.values()),
+        "checks": [c.as_dict() for c in checks], "not_checked": list(verdict.not_checked),
+        "verdict": verdict.verdict, "passed": not verdict.failed,
     }
+
+
+def _judged(name: str, stage: str, ok: bool | None, summary: str) -> Check:
+    return Check(f"{name}: {stage}", stage, ok, summary if ok is not None else f"not checked: {summary}")
+
+
+def _memory_check(name: str, stage: str, mem: dict[str, Any] | None, limit: float, missing: str) -> Check:
+    if mem is None:
+        return _judged(name, stage, None, missing)
+    if "problem" in mem:
+        return _judged(name, stage, None, mem["problem"])
+    grew = mem["peak_after_warmup_mib"]
+    return _judged(name, stage, grew <= limit, f"peak {grew} MiB above the post-warm-up baseline "
+                   f"{mem['warm_mib']} MiB (limit {limit:g}; {mem['after_warmup']} samples after warm-up)")
+
+
+def error_kinds(outs: Sequence[Outcome]) -> dict[str, int]:
+    """Check name -> how many requests have an error of it."""
+    kinds: dict[str, int] = {}
+    for o in outs:
+        for k in dict.fromkeys(o.kinds):
+            kinds[k] = kinds.get(k, 0) + 1
+    return kinds
+
+
+def key_echo(outs: Sequence[Outcome]) -> tuple[int, int]:
+    """(finished answers holding the key of their own context, finished answers)."""
+    answered = [o for o in outs if o.complete and o.content]
+    return sum(bool(o.fact) and o.fact in o.content for o in answered), len(answered)
+
+
+def variant_checks(name: str, run: dict[str, Any], cfg: LoadConfig, server: dict[str, Any],
+                   rss: dict[str, Any] | None, gpu: dict[str, Any] | None) -> list[Check]:
+    """The checks of one variant's run, one per stage of :data:`STAGES` (+ strict load determinism)."""
+    outs: list[Outcome] = run["outcomes"]
+    iso: list[Outcome] = run.get("isolated", [])
+    kinds = error_kinds(outs)
+    echoed, answered = key_echo(outs)
+
+    def none_of(stage: str, *ks: str) -> Check:
+        n = sum(kinds.get(k, 0) for k in ks)
+        return _judged(name, stage, n == 0, f"{n} request(s) with {' / '.join(ks)} errors")
+
+    def repeats(stage: str, det: dict[str, Any], what: str) -> Check:
+        if not det["pairs"]:
+            return _judged(name, stage, None, f"no repeated {what} finished")
+        return _judged(name, stage, det["mismatches"] == 0,
+                       f"{det['mismatches']} of {det['pairs']} repeated {what}s differ")
+
+    started = sum(not o.skipped for o in outs)
+    checks = [_judged(name, "all_started", started == len(outs) and bool(outs),
+                      f"{started}/{len(outs)} requests started (before the time limit)"),
+              none_of("no_5xx", "no_5xx"), none_of("no_transport_errors", "no_transport_errors"),
+              none_of("valid_json", "valid_json"),
+              none_of("no_server_errors", "server_error", "http_status", "schema", "stream_complete")]
+    attribution = none_of("attribution", "attribution")
+    checks.append(attribution if answered or not attribution.passed
+                  else _judged(name, "attribution", None, "no finished answer to attribute"))
+    # an answer can only repeat its key by reading its own context: without it the foreign checks are blind
+    if cfg.min_key_echo <= 0 or not answered:
+        checks.append(_judged(name, "key_echo", None, f"--min-key-echo 0 ({echoed}/{answered} echoed)"
+                              if answered else "no finished answer"))
+    else:
+        checks.append(_judged(name, "key_echo", echoed >= cfg.min_key_echo * answered,
+                              f"{echoed}/{answered} answers repeat the key of their own context "
+                              f"(at least {cfg.min_key_echo:.0%})"))
+    checks.append(_judged(name, "isolated_ok", all(o.complete for o in iso) if iso else None,
+                          f"{sum(o.complete for o in iso)}/{len(iso)} isolated requests complete" if iso
+                          else "no isolated reference (--isolated 0)"))
+    checks.append(repeats("isolated_deterministic", determinism(iso), "isolated prompt"))
+    if cfg.strict_load_determinism:
+        checks.append(repeats("deterministic_under_load", determinism(outs), "prompt under load"))
+    pid = run.get("pid")
+    no_pid = "no server pid to sample (--url without --server-pid)"
+    checks.append(_memory_check(name, "rss_flat", rss, cfg.rss_growth_mib, no_pid))
+    checks.append(_memory_check(name, "gpu_mem_flat", gpu, cfg.gpu_growth_mib, no_pid if pid is None else
+                                f"nvidia-smi lists no GPU memory for pid {pid} (no GPU, or no nvidia-smi)"))
+    alive = bool(server.get("alive_after", True))
+    checks.append(_judged(name, "server_alive", alive, "the server answers /health after the run" if alive
+                          else f"the server died (exit {server.get('exit_code')})"))
+    return checks
+
+
+def overall_verdict(result: dict[str, Any]) -> tuple[Verdict, list[Check]]:
+    """Every variant's checks and every --expect-equal comparison, through ``verdict_of``."""
+    checks = [Check(**{k: v for k, v in c.items() if k != "status"}) for x in result["summaries"]
+              for c in x["checks"]]
+    checks += [Check(f"{c['a']} = {c['b']}", "expect_equal", c["passed"],
+                     f"isolated {c['isolated']['identical']}/{c['isolated']['compared']} identical, "
+                     f"under load {c['load']['identical']}/{c['load']['compared']}")
+               for c in result.get("comparisons", []) if c["required"]]
+    return verdict_of(checks, STAGES), checks
 
 
 def _r(x: float | None, nd: int = 3) -> float | None:
@@ -1027,8 +1131,8 @@ def run_variants(variants: Sequence[Variant], cfg: LoadConfig, corpus: str, tran
         runs[v.name] = run
         s = summarize(v.name, run, cfg, info)
         summaries.append(s)
-        progress(f"[{v.name}] {'PASS' if s['passed'] else 'FAIL'} "
-                 f"{ {k: ok for k, ok in s['checks'].items() if not ok} or ''}")
+        progress(f"[{v.name}] {s['verdict']} "
+                 + "; ".join(f"{c['stage']}: {c['summary']}" for c in s["checks"] if c["passed"] is not True))
     assert jobs is not None
     return {"jobs": jobs, "runs": runs, "summaries": summaries}
 
@@ -1080,13 +1184,14 @@ def render_markdown(result: dict[str, Any]) -> str:
         ("wall (s)", lambda x: x["wall_s"]),
         ("RSS start / warm / peak / end (MiB)",
          lambda x: "-" if not x["rss"] else
-         " / ".join(str(x["rss"][k]) for k in ("start_mib", "warm_mib", "peak_mib", "end_mib"))),
+         " / ".join(str(x["rss"].get(k, "-")) for k in ("start_mib", "warm_mib", "peak_mib", "end_mib"))),
         ("RSS peak above warm-up (MiB)",
-         lambda x: "-" if not x["rss"] else x["rss"]["peak_after_warmup_mib"]),
+         lambda x: "-" if not x["rss"] else x["rss"].get("peak_after_warmup_mib", "-")),
         ("GPU memory warm / peak (MiB)",
-         lambda x: "-" if not x.get("gpu") else f"{x['gpu']['warm_mib']} / {x['gpu']['peak_mib']}"),
-        ("answers holding their own marker", lambda x: x.get("marker_echo", "-")),
-        ("failed checks", lambda x: ", ".join(k for k, ok in x["checks"].items() if not ok) or "none"),
+         lambda x: "-" if not x.get("gpu") else f"{x['gpu'].get('warm_mib', '-')} / {x['gpu']['peak_mib']}"),
+        ("answers holding the key of their own context", lambda x: x.get("key_echo", "-")),
+        ("failed checks",
+         lambda x: ", ".join(c["stage"] for c in x["checks"] if c["passed"] is False) or "none"),
         ("not checked", lambda x: "; ".join(x.get("not_checked", [])) or "none"),
     ]
     lines = ["| | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
@@ -1159,9 +1264,10 @@ def build_parser(prog: str = "python3 -m opencoti_patch.lab.loadtest") -> argpar
     load.add_argument("--gpu-growth-mib", type=float, default=d.gpu_growth_mib,
                       help="max GPU memory peak above its value after warm-up (where nvidia-smi lists the "
                            "server)")
-    load.add_argument("--min-marker-echo", type=float, default=d.min_marker_echo,
-                      help="share of finished answers that must repeat their own marker (needs a real model "
-                           "and --n-predict covering the marker)")
+    load.add_argument("--min-key-echo", "--min-marker-echo", dest="min_key_echo", type=float,
+                      default=d.min_key_echo,
+                      help="share of finished answers that must repeat the key placed in their own context "
+                           "(needs a real model and --n-predict covering the key; 0: not checked)")
     load.add_argument("--warmup-frac", type=float, default=d.warmup_frac)
     load.add_argument("--isolated", type=int, default=d.isolated,
                       help="prompts re-sent one at a time, uncached, after the load (the reference that "
@@ -1176,9 +1282,10 @@ def build_parser(prog: str = "python3 -m opencoti_patch.lab.loadtest") -> argpar
                      help="fail unless variants A and B give identical text (e.g. selectall:dense)")
     chk.add_argument("--compare", action="append", default=[], metavar="A:B",
                      help="report (not require) agreement of two variants")
-    chk.add_argument("--accept-not-checked", action="store_true",
-                     help="exit 0 although a check could not run (e.g. memory with --url); the report "
-                          "still lists it")
+    chk.add_argument("--accept-not-checked", action="append", nargs="?", const="all", default=[],
+                     metavar="CHECK",
+                     help="exit 0 although this check could not run (repeatable; e.g. gpu_mem_flat on a CPU "
+                          f"server; bare: any of {', '.join(STAGES)}); the report still says INCOMPLETE")
     chk.add_argument("--transport", choices=["auto", "requests", "http.client"], default="auto")
     chk.add_argument("--json", dest="json_out", type=Path, help="write the full result as JSON")
     chk.add_argument("--markdown", type=Path, help="write the summary table as Markdown")
@@ -1198,7 +1305,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                          rss_growth_mib=a.rss_growth_mib, warmup_frac=a.warmup_frac, isolated=a.isolated,
                          strict_load_determinism=a.strict_load_determinism,
                          shared_prefix_frac=a.shared_prefix_frac, gpu_growth_mib=a.gpu_growth_mib,
-                         min_marker_echo=a.min_marker_echo)
+                         min_key_echo=a.min_key_echo)
         cfg.validate()
         variants = [parse_variant(v) for v in a.variant] or [Variant("dense", ["--sparse-attn", "off"])]
         if len({v.name for v in variants}) != len(variants):
@@ -1231,8 +1338,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                                                    "model": str(server.model)}
         result["config"] = {**asdict(cfg), "transport": transport.name,
                             "variants": [asdict(v) for v in variants], "server": server_json}
-        result["passed"] = all(s["passed"] for s in result["summaries"]) and all(
-            c["passed"] for c in result["comparisons"])
+        verdict, checks = overall_verdict(result)
+        result["verdict"], result["passed"] = verdict.verdict, verdict.passed
     except LoadTestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -1244,12 +1351,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if a.json_out:
         a.json_out.parent.mkdir(parents=True, exist_ok=True)
         write_report(a.json_out, json.dumps(_jsonable(result, True), indent=1, default=str) + "\n")
-    not_checked = [f"{x['name']}: {n}" for x in result["summaries"] for n in x["not_checked"]]
-    verdict = "FAIL" if not result["passed"] else ("INCOMPLETE" if not_checked else "PASS")
-    print(verdict + (f" (not checked: {'; '.join(not_checked)})" if not_checked else ""), flush=True)
-    if verdict == "PASS" or verdict == "INCOMPLETE" and a.accept_not_checked:
-        return EXIT_OK
-    return EXIT_CHECK_FAILED
+    why = "; ".join(f"{c.name}: {c.summary}" for c in checks if c.passed is not True)
+    print(verdict.verdict + (f" ({why})" if why else ""), flush=True)
+    accepted = STAGES if "all" in a.accept_not_checked else a.accept_not_checked
+    return EXIT_OK if verdict.accepts(accepted) else EXIT_CHECK_FAILED
 
 
 if __name__ == "__main__":

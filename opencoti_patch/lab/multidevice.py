@@ -14,7 +14,9 @@ agrees with sparse decode on one device (bitwise where both layouts compute the 
 from it than dense split is from dense on one device); the selection really runs (more graph nodes than
 dense, other logits); each device's side-cache of key sums is what its sparse layers need; and the scheduler
 needs no more graph splits with sparse attention than without (no per-token copy of the bounds across
-devices). The RPC server is started and stopped here, its log kept.
+devices). The RPC server is started and stopped here, its log kept. Each check is a
+:class:`..verdict.Check` of its own stage (:data:`STAGES`), the verdict ``verdict_of``'s: no check (or a
+stage without a passed check) is INCOMPLETE, never PASS.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckFailed, OpencotiError
+from ..verdict import Check, Verdict, verdict_of
 from ..verify.identical import parse_log_facts
 from .logits import compare_logits
 
@@ -44,6 +47,8 @@ _CACHE_RE = re.compile(r"creating\s+(non-SWA|SWA) KV cache")
 _ATTACH_RE = re.compile(r"sparse attention on: .*dense layers = (\d+),.* sparse layers = (\d+)")
 _DENSE_LAST_RE = re.compile(r"sparse attention on: .*dense last = (\d+),")
 SERVER_EXES = ("ggml-rpc-server", "rpc-server")  # the tool's name in this pin, and in older trees
+# one stage per check of a layout; PASS needs a passed check of each
+STAGES = ("select-all", "sparse split", "selection", "side-cache", "graph splits")
 
 
 @dataclass(frozen=True)
@@ -237,13 +242,13 @@ def _nodes_per_step(run: VariantRun) -> float | None:
 
 def evaluate(runs: dict[str, VariantRun], n_vocab: int) -> dict[str, Any]:
     """The checks of one RPC layout (pure: unit-tested on synthetic dumps and logs)."""
-    checks: list[dict[str, Any]] = []
+    checks: list[Check] = []
 
-    def check(name: str, ok: bool, detail: str) -> None:
-        checks.append({"name": name, "ok": bool(ok), "detail": detail})
+    def check(name: str, stage: str, ok: bool, detail: str) -> None:
+        checks.append(Check(name, stage, bool(ok), detail))
 
     cmp_sa = compare_logits(runs["split-dense"].dump, runs["split-selectall"].dump, n_vocab)
-    check("select-all = dense (split)", cmp_sa["identical"],
+    check("select-all = dense (split)", "select-all", cmp_sa["identical"],
           "bitwise identical" if cmp_sa["identical"] else
           f"differ: max KL {cmp_sa['kl_max']:.3g}, top-1 agreement {cmp_sa['top1_agreement']:.3f}")
     cmp_sp = compare_logits(runs["local-sparse"].dump, runs["split-sparse"].dump, n_vocab)
@@ -251,14 +256,14 @@ def evaluate(runs: dict[str, VariantRun], n_vocab: int) -> dict[str, Any]:
     # bitwise where both layouts compute the same way; else (weights repacked on one side only) no further
     # from sparse on one device than dense split is from dense on one device
     tol = 2.0*cmp_dd["kl_mean"] + 1e-3
-    check("sparse split = sparse local",
+    check("sparse split = sparse local", "sparse split",
           cmp_sp["identical"] or (not cmp_dd["identical"] and cmp_sp["kl_mean"] <= tol),
           ("bitwise identical" if cmp_sp["identical"] else
            f"top-1 agreement {cmp_sp['top1_agreement']:.3f}, mean KL {cmp_sp['kl_mean']:.3g} (at most "
            f"{tol:.3g}: dense split vs local {cmp_dd['kl_mean']:.3g}), max KL {cmp_sp['kl_max']:.3g}"))
     cmp_sd = compare_logits(runs["split-dense"].dump, runs["split-sparse"].dump, n_vocab)
     nd, ns = _nodes_per_step(runs["split-dense"]), _nodes_per_step(runs["split-sparse"])
-    check("the selection runs (split)",
+    check("the selection runs (split)", "selection",
           nd is not None and ns is not None and ns > nd and not cmp_sd["identical"],
           f"graph nodes per decode step: dense {nd}, sparse {ns}; sparse vs dense top-1 agreement "
           f"{cmp_sd['top1_agreement']:.3f}, mean KL {cmp_sd['kl_mean']:.3g}")
@@ -266,17 +271,18 @@ def evaluate(runs: dict[str, VariantRun], n_vocab: int) -> dict[str, Any]:
     place = side_cache_placement(runs["split-sparse"], layers)
     with_side = [p for p in place if p["side_mib"]]
     rpc_side = [p for p in with_side if p["buffer"].upper().startswith("RPC")]
-    check("side-cache on the layers' devices",
+    check("side-cache on the layers' devices", "side-cache",
           len(with_side) >= 2 and bool(rpc_side) and all(
               p["expected_side_mib"] is not None
               and abs((p["side_mib"] or 0.0) - p["expected_side_mib"]) <= 0.01 for p in place),
           "; ".join(f"{p['buffer']}: sparse layers {p['sparse_layers'] or 'none'}, side-cache "
                     f"{p['side_mib'] or 0} MiB (expected {p['expected_side_mib']})" for p in place))
     gd, gs = runs["split-dense"].graph, runs["split-sparse"].graph
-    check("no extra graph splits with sparse attention", bool(gd) and bool(gs)
+    check("no extra graph splits with sparse attention", "graph splits", bool(gd) and bool(gs)
           and gs["splits_tg"] == gd["splits_tg"],
           f"decode graph splits: dense {gd.get('splits_tg')}, sparse {gs.get('splits_tg')}")
-    return {"checks": checks, "passed": all(c["ok"] for c in checks),
+    v = verdict_of(checks, STAGES)
+    return {"checks": [c.as_dict() for c in checks], "verdict": v.verdict, "passed": v.passed,
             "comparisons": {"selectall_vs_dense_split": cmp_sa, "sparse_split_vs_local": cmp_sp,
                             "dense_split_vs_local": cmp_dd, "sparse_vs_dense_split": cmp_sd},
             "placement": place, "graphs": {n: r.graph for n, r in runs.items()}}
@@ -320,7 +326,17 @@ def portable_args(cmd: Sequence[str], work: Path) -> list[str]:
     return out
 
 
+def result_verdict(result: dict[str, Any]) -> Verdict:
+    """The verdict of a layout's result (its checks as :func:`evaluate` wrote them)."""
+    checks = [Check(c["name"], c["stage"], c["passed"], c["summary"], c.get("evidence", []))
+              for c in result.get("checks", [])]
+    return verdict_of(checks, STAGES)
+
+
 def raise_on_failure(result: dict[str, Any]) -> None:
-    bad = [f"{c['name']}: {c['detail']}" for c in result["checks"] if not c["ok"]]
-    if bad:
-        raise CheckFailed("RPC layout check failed:\n  " + "\n  ".join(bad))
+    """Raise unless every check ran and passed (no check at all: INCOMPLETE)."""
+    v = result_verdict(result)
+    if v.passed:
+        return
+    bad = [f"{c['name']}: {c['summary']}" for c in result.get("checks", []) if c["passed"] is not True]
+    raise CheckFailed(f"RPC layout check {v.verdict}:\n  " + "\n  ".join(bad or v.reasons()))

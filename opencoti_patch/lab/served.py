@@ -16,7 +16,12 @@ the first variant's (dense) answers in the same mode. The verdict compares the m
 variant, the control: batching changes the numerics of dense attention too (on the H200, dense answered 62 of
 100 one at a time and 60 of 100 four at a time), so a variant passes when serving concurrently costs it at
 most ``tolerance`` answers more than it costs the control. A lone variant is judged on its own (concurrent
-at least sequential minus ``tolerance``). Any failed request fails the run."""
+at least sequential minus ``tolerance``).
+
+Every answer is judged against its own request's key (an answer holding another request's key is a mixed-up
+response: FAIL, whatever the counts say). Any failed or missing request fails the run; a mode with no
+request proves nothing, and so does a control that answers fewer than ``min_control`` of the keys in a mode
+(a control at 0/20 forgives any loss): both are INCOMPLETE (:mod:`..verdict`)."""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ..verdict import Check, verdict_of
 from .evaluate import parse_answer
 from .loadtest import LoadTestError, ServerConfig, ServerProcess, Transport, server_tokenizer
 from .needle import Sample, make_samples
@@ -35,6 +41,8 @@ from .prose import take_text
 from .variants import BLOCK, sparse_variant
 
 MODES = ("sequential", "concurrent")
+MIN_CONTROL = 0.25  # share of the keys the control must find in each mode for the comparison to mean anything
+REQUIRED_STAGES = ("requests", "attribution", "control", "concurrency")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,32 +122,73 @@ def serve_mode(transport: Transport, base_url: str, prompts: Sequence[Prompt], *
     return out
 
 
+def _judge(rows: Sequence[dict[str, Any]], keys: dict[str, str]) -> dict[str, Any]:
+    """One mode of one variant, every answer against its own request's key (never a ``correct`` field)."""
+    every_key = set(keys.values())
+    answered = [r for r in rows if "error" not in r and r.get("answer") is not None]
+    right = [r["sid"] for r in answered if r["answer"] == keys.get(r["sid"])]
+    foreign = [r["sid"] for r in answered if r["answer"] != keys.get(r["sid"]) and r["answer"] in every_key]
+    sids = [r["sid"] for r in rows]
+    return {"correct": len(right), "requests": len(rows), "errors": sum("error" in r for r in rows),
+            "foreign": sorted(foreign), "unknown": sorted(set(sids) - set(keys)),
+            "missing": sorted(set(keys) - set(sids)), "wrong": sorted(set(sids) - set(right)),
+            "repeated": sorted({s for s in sids if sids.count(s) > 1})}
+
+
+def _mode_checks(v: str, m: str, j: dict[str, Any], n: int) -> list[Check]:
+    name = f"{v} {m}"
+    if not j["requests"]:
+        return [Check(f"{name}: requests", "requests", None, f"{name}: no request served: not checked")]
+    bad = [f"{j['errors']} request(s) failed" if j["errors"] else "",
+           f"{len(j['missing'])} never answered" if j["missing"] else "",
+           f"{len(j['repeated'])} answered twice" if j["repeated"] else "",
+           f"{len(j['unknown'])} of no prompt" if j["unknown"] else ""]
+    bad = [b for b in bad if b]
+    req = Check(f"{name}: requests", "requests", not bad,
+                f"{name}: {', '.join(bad) if bad else f'{n} prompts answered once each'}")
+    att = Check(f"{name}: answers of their own request", "attribution", not j["foreign"],
+                f"{name}: " + (f"{len(j['foreign'])} answer(s) hold another request's key: "
+                               f"{', '.join(j['foreign'][:5])}" if j["foreign"] else
+                               "no answer holds another request's key"),
+                [f"{sid}: another request's key" for sid in j["foreign"]])
+    return [req, att]
+
+
 def summarize(results: dict[str, dict[str, list[dict[str, Any]]]], prompts: Sequence[Prompt],
-              tolerance: int) -> dict[str, Any]:
-    """Per variant and mode: correct, errors, agreement with the variant's sequential answers and with the
-    first variant's answers in that mode; checks: no errors, and for each variant after the first (the
-    control) a loss from serving concurrently (sequential - concurrent correct) of at most the control's loss
-    (or 0) plus ``tolerance``; a lone variant: its loss at most ``tolerance``."""
+              tolerance: int, min_control: float = MIN_CONTROL) -> dict[str, Any]:
+    """Per variant and mode: correct (each answer against its own request's key), errors, answers holding
+    another request's key, agreement with the variant's sequential answers and with the first variant's
+    answers in that mode. Checks (:mod:`..verdict`): every prompt answered once without an error in every
+    mode (an empty mode: not checked), no answer with another request's key, the control (the first of
+    several variants; a lone variant is its own) finds at least ``min_control`` of the keys in each mode
+    (else not checked: it proved nothing), and each other variant's loss from serving concurrently
+    (sequential - concurrent correct) is at most the control's loss (or 0) plus ``tolerance``; a lone
+    variant: its loss at most ``tolerance``."""
     names = list(results)
     ref = names[0]
-    answers = {v: {m: {r["sid"]: r.get("answer") for r in results[v][m]} for m in results[v]} for v in names}
+    keys = {p.sample.sid: p.sample.key for p in prompts}
+    n = len(prompts)
+    answers = {v: {m: {r["sid"]: r.get("answer") for r in results[v].get(m, [])} for m in MODES}
+               for v in names}
     table: dict[str, Any] = {}
-    failed: list[str] = []
+    checks: list[Check] = []
     for v in names:
         table[v] = {}
-        for m, rows in results[v].items():
-            errors = [r for r in rows if "error" in r]
+        for m in MODES:
+            j = _judge(results[v].get(m, []), keys)
             own, seq, dense = answers[v][m], answers[v]["sequential"], answers[ref][m]
-            table[v][m] = {
-                "correct": sum(bool(r.get("correct")) for r in rows), "requests": len(rows),
-                "errors": len(errors),
-                "agree_sequential": sum(own[s] == seq[s] for s in own),
-                "agree_dense": sum(own[s] == dense.get(s) for s in own),
-                "wrong": sorted(r["sid"] for r in rows if not r.get("correct")),
-            }
-            if errors:
-                failed.append(f"{v} {m}: {len(errors)} request(s) failed")
+            table[v][m] = {**j, "agree_sequential": sum(own[s] == seq.get(s) for s in own),
+                           "agree_dense": sum(own[s] == dense.get(s) for s in own)}
+            checks += _mode_checks(v, m, j, n)
     control = ref if len(names) > 1 else None  # a lone variant is judged on its own
+    floor = min_control * n
+    for m in MODES:
+        got = table[ref][m]
+        ok = bool(got["requests"]) and got["correct"] >= floor
+        checks.append(Check(f"{ref} {m}: control answers", "control", True if ok else None,
+                            f"{got['correct']}/{n} keys found (floor {min_control:.0%})" if ok else
+                            f"not checked: {ref} finds {got['correct']}/{n} keys in the {m} pass, below "
+                            f"the floor of {min_control:.0%}: the comparison proves nothing"))
 
     def loss(v: str) -> int:
         return table[v]["sequential"]["correct"] - table[v]["concurrent"]["correct"]
@@ -147,22 +196,28 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]], prompts: Sequ
     for v in names:
         if v == control:
             continue  # the control: its loss is what batching costs without the feature
+        name = f"{v}: concurrent vs sequential"
+        if not all(table[x][m]["requests"] for x in (v, ref) for m in MODES):
+            checks.append(Check(name, "concurrency", None, "not checked: a mode has no request"))
+            continue
         allowed = tolerance + (max(0, loss(control)) if control else 0)
-        if loss(v) > allowed:
-            n_seq, conc = table[v]["sequential"]["correct"], table[v]["concurrent"]["correct"]
-            ctl = (f" ({control}: {table[control]['sequential']['correct']} and "
-                   f"{table[control]['concurrent']['correct']})" if control else "")
-            failed.append(f"{v}: {conc}/{len(prompts)} correct served concurrently, "
-                          f"{n_seq}/{len(prompts)} one at a time{ctl}")
-    n_tok = [p.n_tokens for p in prompts]
-    return {"table": table, "failed": failed, "control": control,
+        n_seq, conc = table[v]["sequential"]["correct"], table[v]["concurrent"]["correct"]
+        ctl = (f" ({control}: {table[control]['sequential']['correct']} and "
+               f"{table[control]['concurrent']['correct']})" if control else "")
+        checks.append(Check(name, "concurrency", loss(v) <= allowed,
+                            f"{v}: {conc}/{n} correct served concurrently, {n_seq}/{n} one at a time{ctl}"))
+    verdict = verdict_of(checks, REQUIRED_STAGES)
+    n_tok = [p.n_tokens for p in prompts] or [0]
+    return {"table": table, "failed": [c.summary for c in checks if c.passed is not True],
+            "checks": [c.as_dict() for c in checks], "control": control, "min_control": min_control,
             "prompt_tokens": [min(n_tok), max(n_tok)],
-            "depths": [round(p.sample.depth, 3) for p in prompts], "verdict": "FAIL" if failed else "PASS"}
+            "depths": [round(p.sample.depth, 3) for p in prompts], "verdict": verdict.verdict}
 
 
 def run(server: ServerConfig, variants: Sequence[ServedVariant], paragraphs: list[str], transport: Transport,
         *, n_ctx: int, count: int, seed: int, n_predict: int, concurrency: int, tolerance: int, log_dir: Path,
-        cache_prompt: bool = True, progress: Callable[[str], None] = print) -> dict[str, Any]:
+        cache_prompt: bool = True, progress: Callable[[str], None] = print,
+        min_control: float = MIN_CONTROL) -> dict[str, Any]:
     """Each variant: one server, the passkey set served one at a time, then ``concurrency`` at a time."""
     t0 = time.monotonic()
     prompts: list[Prompt] | None = None
@@ -192,7 +247,7 @@ def run(server: ServerConfig, variants: Sequence[ServedVariant], paragraphs: lis
             raise LoadTestError(f"llama-server ({v.name}) died during the run (exit {code}): "
                                 f"{proc.log_tail()[-600:]}")
     assert prompts is not None
-    summary = summarize(results, prompts, tolerance)
+    summary = summarize(results, prompts, tolerance, min_control)
     return {"kind": "served-passkey", "n_ctx": n_ctx, "samples": count, "seed": seed, "n_predict": n_predict,
             "concurrency": concurrency, "block": BLOCK, "tolerance": tolerance, "cache_prompt": cache_prompt,
             "variants": {v.name: list(v.args) for v in variants}, "server_commands": commands,

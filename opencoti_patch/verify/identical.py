@@ -2,8 +2,10 @@
 
 Checks (each pass, FAIL or "not checked" with evidence, rendered as markdown + JSON):
 
-0. sources - the patched tree differs from pristine, by every patch that should be in it (else the
-   run would compare pristine with itself).
+0. sources - the patched tree differs from pristine exactly where every patch says: each file a patch
+   adds exists, each file it changes differs, each file it deletes is gone (else the run would compare
+   pristine with itself, or with half a series). The patches are the ``--patch-file`` diffs, else the
+   series (``<patches-dir>/series``); with neither, nothing says what the patched tree must hold: FAIL.
 1. reproducibility - the pristine tree built a second time, in a fresh build dir at another path
    and with ccache disabled (a ccache hit would only replay the first build's objects, proving
    nothing about the compiler), gives the same bytes for every DSO/tool.
@@ -19,10 +21,12 @@ Checks (each pass, FAIL or "not checked" with evidence, rendered as markdown + J
    identical (sha256 of the dump), and so must the graph (node/split counts of the pp and tg
    reservation graphs from the log, and the nodes actually computed per decode step), the KV and
    compute buffer sizes and the serialized state size. Both runs must have written a dump of
-   1 + decode rows of n_vocab floats from the requested prompt, else nothing was compared: FAIL.
+   1 + decode rows of n_vocab floats from the requested prompt, every row finite and not constant
+   (all-NaN or all-zero logits are equal on both sides and prove nothing), else FAIL.
 
 Verdict (:mod:`..verdict`): FAIL when a check failed; INCOMPLETE when a check proved nothing ("not
-checked") or no build, sources or behaviour check passed; PASS only when every check ran and passed.
+checked", e.g. ``--skip-repro``) or a stage of :data:`REQUIRED_STAGES` has no passed check; PASS only
+when every check ran and passed, every stage included.
 """
 
 from __future__ import annotations
@@ -50,14 +54,15 @@ from ..builds.builder import (
     export_tree,
     find_tool,
 )
+from ..builds.builder import _excluded as excluded_from_export
 from ..builds.harness import SINGLE_EXE, build_harness
 from ..config import write_report
 from ..errors import CheckFailed, OpencotiError
 from ..report import info, render
 from ..stack.apply import apply_to_folder
-from ..stack.series import diff_paths, read_series
+from ..stack.series import FilePatch, diff_paths, load_series, parse_diff, split_patch
 from ..stack.upstream import sha256_file
-from ..verdict import FAIL, Check, Verdict
+from ..verdict import FAIL, Check, Verdict, evidence_problem
 from ..verdict import verdict_of as shared_verdict_of
 
 VERIFY_STAMP = "opencoti-verify"  # the same build info in both builds, so it cannot be a difference
@@ -133,6 +138,11 @@ def affected_artifacts(path: str, available: Iterable[str]) -> set[str]:
 def patch_files(patch_text: str) -> list[str]:
     """Paths a unified/git diff touches (both sides of renames), read with the series' patch model."""
     return diff_paths(patch_text.encode("utf-8", "surrogateescape"))
+
+
+def file_patches(patch: Path) -> list[FilePatch]:
+    """The files of one patch (header + diff, or a bare diff) with what it does to each."""
+    return parse_diff(split_patch(patch.read_bytes())[1], patch.name)
 
 
 def attribute(diffs: Iterable[str], patches: dict[str, list[str]],
@@ -431,19 +441,62 @@ def check_objects(cmp: ObjectComparison) -> Check:
                  f"byte-identical ({len(cmp.header_same)} of {n_header} header-fed objects too)", ev)
 
 
-def check_patched_differs(changed: Sequence[str], required: dict[str, list[str]]) -> Check:
-    """The patched tree must differ from pristine, and by every patch that should be in it: comparing
-    pristine with itself (the series not applied) proves nothing."""
+def expected_state(patches: dict[str, Sequence[FilePatch]]) -> dict[str, bool]:
+    """path -> whether it exists in the patched tree, after every patch in order (a file one patch adds
+    and a later one deletes is gone; the old side of a rename is gone)."""
+    state: dict[str, bool] = {}
+    for files in patches.values():
+        for fp in files:
+            if fp.old_path is not None and fp.old_path != fp.new_path:
+                state[fp.old_path] = False
+            if fp.new_path is not None:
+                state[fp.new_path] = True
+    return state
+
+
+def check_patched_differs(changed: Sequence[str], patches: dict[str, Sequence[FilePatch]],
+                          patched: Path, no_patches: str | None = None) -> Check:
+    """The patched tree must differ from pristine exactly where every patch says: each file a patch adds
+    exists, each file it changes differs, each file it deletes is gone. Comparing pristine with itself,
+    or with a tree that holds a part of a patch, proves nothing. ``no_patches``: why there are none."""
     name = "patched differs from pristine"
     ev = [f"changed sources: {len(changed)}"]
+    if no_patches is not None or not patches:
+        return Check(name, "sources", False, f"no patch to verify: {no_patches or 'the series is empty'} "
+                     "(nothing says what the patched tree must hold)", ev)
     if not changed:
         return Check(name, "sources", False, "patched tree is identical to pristine: nothing to compare", ev)
     changed_set = set(changed)
-    absent = [p for p, files in required.items() if files and not changed_set & set(files)]
-    ev += [f"{p}: {len(changed_set & set(f))} of {len(f)} files changed" for p, f in required.items()]
-    if absent:
-        return Check(name, "sources", False, f"not applied to the patched tree: {', '.join(absent)}", ev)
-    return Check(name, "sources", True, f"{len(changed)} files differ; every patch is present", ev)
+    exists = expected_state(patches)
+    bad: dict[str, list[str]] = {}
+    for patch, files in patches.items():
+        paths = list(dict.fromkeys(p for fp in files for p in (fp.old_path, fp.new_path) if p))
+        problems = []
+        for rel in paths:
+            if excluded_from_export(rel):
+                continue  # not exported (docs/, models): not built, not compared
+            present = (patched / rel).is_file() or (patched / rel).is_symlink()
+            if exists[rel] and not present:
+                problems.append(f"{rel} missing")
+            elif not exists[rel] and present:
+                problems.append(f"{rel} still there (deleted by the series)")
+            elif rel not in changed_set:
+                problems.append(f"{rel} unchanged")
+        ev.append(f"{patch}: {len(paths) - len(problems)} of {len(paths)} files as the patch says"
+                  + (f"; {', '.join(problems)}" if problems else ""))
+        if problems:
+            bad[patch] = problems
+    touched = set(exists)
+    extra = [f for f in changed if f not in touched]
+    if extra:
+        ev.append(f"changed files no patch touches: {len(extra)} ({', '.join(extra[:5])}"
+                  f"{', ...' if len(extra) > 5 else ''})")
+    if bad:
+        first = next(iter(bad.items()))
+        return Check(name, "sources", False, f"not applied as the patch says: {', '.join(bad)} "
+                     f"({first[0]}: {', '.join(first[1][:3])})", ev)
+    return Check(name, "sources", True, f"{len(changed)} files differ; every file of every patch "
+                 f"({len(patches)} patches, {len(touched)} files) as the patch says", ev)
 
 
 def check_repro(first: BuildResult, second: BuildResult) -> Check:
@@ -509,6 +562,18 @@ def run_shape_problems(run: HarnessRun, prompt_tokens: int, decode: int) -> list
     return problems
 
 
+def logits_problem(run: HarnessRun, n_vocab: int) -> str | None:
+    """Why a run's logits dump cannot serve as evidence (None when it can): a row with a NaN or an
+    infinity, or a constant row (all-zero logits on both sides are equal, and prove nothing)."""
+    data = array.array("f")
+    data.frombytes(run.dump.read_bytes())
+    for row in range(len(data) // n_vocab):
+        problem = evidence_problem(data[row * n_vocab:(row + 1) * n_vocab], what="logits")
+        if problem is not None:
+            return f"{run.label}: row {row} (0 = prefill): {problem}"
+    return None
+
+
 def check_behaviour(kv: str, a: HarnessRun, b: HarnessRun, n_vocab: int | None, *,
                     prompt_tokens: int, decode: int) -> Check:
     name = f"feature off, KV {kv}, -fa on"
@@ -521,6 +586,9 @@ def check_behaviour(kv: str, a: HarnessRun, b: HarnessRun, n_vocab: int | None, 
     shape = run_shape_problems(a, prompt_tokens, decode) + run_shape_problems(b, prompt_tokens, decode)
     if shape:
         return Check(name, "behaviour", False, f"nothing comparable: {shape[0]}", shape)
+    garbage = [p for r in (a, b) if (p := logits_problem(r, int((r.summary or {})["n_vocab"])))]
+    if garbage:
+        return Check(name, "behaviour", False, f"nothing comparable: {garbage[0]}", garbage)
     ev: list[str] = []
     problems: list[str] = []
 
@@ -558,8 +626,9 @@ def _tokens_sha(summary: dict[str, Any]) -> str | None:
     return hashlib.sha256(" ".join(map(str, toks)).encode()).hexdigest()[:16]
 
 
-# a verdict other than FAIL needs a passed check of each of these stages
-REQUIRED_STAGES = ("build", "sources", "behaviour")
+# PASS needs a passed check of each of these stages; a stage skipped on purpose (--skip-repro) says "not
+# checked": INCOMPLETE, accepted only by name (--accept-not-checked); a stage with no check at all never is
+REQUIRED_STAGES = ("build", "sources", "reproducibility", "binaries", "behaviour")
 
 
 def verdict_of(checks: Sequence[Check]) -> Verdict:
@@ -612,11 +681,14 @@ def verify_identical(cfg: VerifyConfig, template_dirs: Sequence[Path], report_di
     qsrc, _ = _label_paths(cfg.work, "patched")
     changed = changed_files(psrc, qsrc)
     meta["changed_sources"] = changed
-    patches = _patch_map(cfg, changed)
-    meta["patches"] = {k: v for k, v in patches.items()}
-    required = {p.name: patches[p.name] for p in cfg.patch_files} if cfg.patch_files else \
-        {k: v for k, v in patches.items() if k != "tree difference"}
-    checks.append(check_patched_differs(changed, required))
+    try:
+        required, no_patches = required_patches(cfg), None
+    except OpencotiError as exc:
+        required, no_patches = {}, exc.message
+    patches = {name: list(dict.fromkeys(p for fp in files for p in (fp.old_path, fp.new_path) if p))
+               for name, files in required.items()}
+    meta["patches"] = patches
+    checks.append(check_patched_differs(changed, required, qsrc, no_patches))
     if not checks[-1].passed:
         return render_report(checks, meta, report_dir, template_dirs)[2]
 
@@ -674,20 +746,16 @@ def verify_identical(cfg: VerifyConfig, template_dirs: Sequence[Path], report_di
     return render_report(checks, meta, report_dir, template_dirs)[2]
 
 
-def _patch_map(cfg: VerifyConfig, changed: Sequence[str]) -> dict[str, list[str]]:
-    """patch name -> files it touches: the series (if any), the --patch-file diffs, else one entry
-    for the whole difference between the two trees."""
-    out: dict[str, list[str]] = {}
-    if cfg.series_dir is not None:
-        for name in read_series(cfg.series_dir):
-            p = cfg.series_dir / name
-            if p.is_file():
-                out[name] = patch_files(p.read_text(errors="replace"))
-    for p in cfg.patch_files:
-        out[p.name] = patch_files(Path(p).read_text(errors="replace"))
-    if not out and changed:
-        out["tree difference"] = list(changed)
-    return out
+def required_patches(cfg: VerifyConfig) -> dict[str, list[FilePatch]]:
+    """patch name -> its files: the --patch-file diffs when given (the patched tree is pristine + them),
+    else every patch of the series. Raises when there is neither: a run without them cannot tell a
+    README edit from the series."""
+    if cfg.patch_files:
+        return {Path(p).name: file_patches(Path(p)) for p in cfg.patch_files}
+    if cfg.series_dir is None or not (cfg.series_dir / "series").is_file():
+        where = "no patches folder" if cfg.series_dir is None else f"no {cfg.series_dir / 'series'}"
+        raise OpencotiError(f"{where} and no --patch-file")
+    return {p.name: list(p.files) for p in load_series(cfg.series_dir)}
 
 
 def raise_on_failure(data: dict[str, Any], accept_not_checked: Iterable[str] = ()) -> None:

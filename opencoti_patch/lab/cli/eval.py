@@ -49,6 +49,9 @@ def _shared(f: Any) -> Any:
         click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
                      help="Keep each finished harness run here; a rerun with the same binary, model, flags "
                           "and prompts takes it from there (resume a long gate)."),
+        click.option("--min-samples", type=int, default=ev.MIN_GATE_SAMPLES, show_default=True,
+                     help="What a gate needs to prove anything: passkey samples with the needle outside the "
+                          "always-attended blocks, fidelity decode steps; fewer is INCOMPLETE (exit 4)."),
         click.option("--no-progress", is_flag=True, help="No progress bars."),
         common_options,
     ]):
@@ -119,13 +122,13 @@ def _run(gates: list[str], o: dict[str, Any]) -> None:
         update["passkey"] = ev.run_passkey(
             harness, seed=o["seed"], per_ctx=ev.parse_samples_spec(o["samples"]), fractions=fractions,
             accounting=o["accounting"], n_generate=o["n_generate"], jobs=o["jobs"],
-            reuse=not o["no_reuse_prefix"], show_progress=progress)
+            reuse=not o["no_reuse_prefix"], show_progress=progress, min_samples=o["min_samples"])
         info(f"passkey: {update['passkey']['seconds']:.0f} s")
     if "fidelity" in gates:
         update["fidelity"] = ev.run_fidelity(
             harness, docs_dir=o["docs_dir"], contexts=int_list(o["fidelity_contexts"]), steps=o["steps"],
             fractions=fractions, accounting=o["accounting"], jobs=o["jobs"],
-            window_baseline=o["window_baseline"], show_progress=progress)
+            window_baseline=o["window_baseline"], show_progress=progress, min_samples=o["min_samples"])
         info(f"fidelity: {update['fidelity']['seconds']:.0f} s")
     meta = ev.environment_meta(harness.model, harness, o["llama_src"])
     meta["cli"] = ["opencoti-patch " + " ".join(shlex.quote(a) for a in sys.argv[1:])]

@@ -57,7 +57,7 @@ def rpc_command(build_dir: Path, llama_src: Path | None, model: Path | None, spl
 
     Checks select-all = dense bitwise in the split layout, sparse split vs sparse on one device, that the
     selection runs, that each device's side-cache of key sums matches the layers its KV holds, and that sparse
-    attention adds no graph split. Exit code 4 when a check fails.
+    attention adds no graph split. Exit code 4 unless every check ran and passed.
     """
     settings = Settings.resolve()
     bin_dir = build_dir / "bin"
@@ -78,7 +78,7 @@ def rpc_command(build_dir: Path, llama_src: Path | None, model: Path | None, spl
     result |= {"command": command_line(), "model": mdl.name,
                "machine": machine_line(ngl if server_device else 0)}
     for c in result["checks"]:
-        info(f"  {'ok    ' if c['ok'] else 'FAILED'} {c['name']}: {c['detail']}")
+        info(f"  {c['status']:<11} {c['name']}: {c['summary']}")
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_report(out_dir / f"{name}.json", json.dumps(result, indent=1, sort_keys=True) + "\n")

@@ -21,7 +21,7 @@ import click
 
 from ...cli.options import fraction_list, int_list
 from ...config import Settings, write_report
-from ...errors import OpencotiError
+from ...errors import CheckFailed, OpencotiError
 from ...report import info, render
 from .. import needle, prose, recall, selector, served
 from ..batch import Offload
@@ -308,6 +308,9 @@ def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None
               help="Answers the concurrent pass of the sparse server may lose against its sequential pass "
                    "beyond what the dense server (the control) loses: the rounding of other ubatch shapes "
                    "moves borderline answers, dense included.")
+@click.option("--min-control", type=float, default=served.MIN_CONTROL, show_default=True,
+              help="Share of the keys the dense server (the control) must find in each pass; below it the "
+                   "comparison proves nothing: INCOMPLETE (exit 4).")
 @click.option("--cache-prompt/--no-cache-prompt", default=True, show_default=True,
               help="Let a request reuse its slot's cached prompt (the samples share a filler up to each "
                    "needle).")
@@ -316,8 +319,10 @@ def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None
 def served_command(build_dir: Path, llama_src: Path | None, model: Path | None, prose_dirs: tuple[Path, ...],
                    seed: int, threads: int, out_dir: Path, name: str, work_dir: Path | None, ngl: int,
                    harness_args: tuple[str, ...], n_ctx: int, count: int, share: float, parallel: int,
-                   n_predict: int, tolerance: int, cache_prompt: bool, server_args: str) -> None:
-    """The passkey set through llama-server, one request at a time vs --parallel at a time, dense/sparse.
+                   n_predict: int, tolerance: int, min_control: float, cache_prompt: bool,
+                   server_args: str) -> None:
+    """The passkey set through llama-server, one request at a time vs --parallel at a time, dense/sparse;
+    every answer judged against its own request's key. Exit 4 unless PASS.
 
     --ngl offloads the server's layers (llama-server -ngl); --harness-arg does not apply here."""
     if harness_args:
@@ -332,15 +337,16 @@ def served_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
     variants = served.default_variants(n_ctx, share)
     res = served.run(server, variants, ws.paragraphs, default_transport(), n_ctx=n_ctx, count=count,
                      seed=seed, n_predict=n_predict, concurrency=parallel, tolerance=tolerance,
-                     log_dir=ws.work / "served", cache_prompt=cache_prompt, progress=info)
+                     log_dir=ws.work / "served", cache_prompt=cache_prompt, progress=info,
+                     min_control=min_control)
     data = {"command": command_line(), **ws.meta(), **served.public(res, server)}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_report(out_dir / f"{name}.json", json.dumps(data, indent=1, sort_keys=True) + "\n")
     md = render(Settings.resolve().templates_dirs, "serving-passkey.md.j2", **data)
     write_report(out_dir / f"{name}.md", md)
     info(f"wrote {out_dir / name}.json and .md: {res['verdict']}")
-    if res["failed"]:
-        raise click.ClickException("; ".join(res["failed"]))
+    if res["verdict"] != "PASS":
+        raise CheckFailed(f"served passkey {res['verdict']}: {'; '.join(res['failed'])}")
 
 
 COMMANDS = [selector_group]
