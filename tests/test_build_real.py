@@ -22,13 +22,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from prereq import REQUIRE_ALL, unavailable
 
 from opencoti_patch.builds import builder as b
 from opencoti_patch.builds.harness import SINGLE_EXE, build_harness
+from opencoti_patch.cli import cli
 from opencoti_patch.config import Settings
 from opencoti_patch.errors import EXIT_OK, OpencotiError
-from opencoti_patch.lab import batch, loadtest
+from opencoti_patch.lab import batch
 from opencoti_patch.lab import evaluate as ev
 from opencoti_patch.lab import multidevice as md
 from opencoti_patch.lab.batch import BATCH_EXE, build_lab_harness
@@ -340,14 +342,15 @@ def test_loadtest_real_server_real_model(selfcheck: b.BuildResult, tmp_path: Pat
     model = real_model()
     server = selfcheck.bin / "llama-server"
     out = tmp_path / "serving.json"
-    code = loadtest.main([
+    code = CliRunner().invoke(cli, ["lab", "loadtest",
         "--server", str(server), "--model", str(model), "--parallel", "2", "--ctx", "2048", "--threads", "2",
         "--requests", "16", "--concurrency", "4", "--min-tokens", "128", "--max-tokens", "384",
         "--shared-prefix-tokens", "64", "--n-predict", "24", "--isolated", "2",
         "--corpus", str(ROOT / "docs" / "usage.md"),
         "--variant", "dense=--sparse-attn off",
         "--variant", "selectall=--sparse-attn on --sparse-attn-topk 100000 --sparse-attn-min-ctx 1",
-        "--expect-equal", "selectall:dense", "--json", str(out), "--accept-not-checked", "gpu_mem_flat"])
+        "--expect-equal", "selectall:dense", "--json", str(out), "--accept-not-checked",
+        "gpu_mem_flat"]).exit_code
     data = json.loads(out.read_text())
     for s in data["summaries"]:
         checks = {c["stage"]: c["passed"] for c in s["checks"]}

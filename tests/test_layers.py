@@ -34,13 +34,15 @@ def module_name(path: Path, package: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path, package: Path) -> set[str]:
-    """Modules of the package that ``path`` imports (relative imports resolved)."""
+def imports_of(path: Path, package: Path, loading: bool = False) -> set[str]:
+    """Modules of the package that ``path`` imports (relative imports resolved); ``loading``: only those its
+    loading runs (not the ones a function imports when it is called)."""
     name = module_name(path, package)
     is_pkg = path.name == "__init__.py"
     here = name.split(".") if is_pkg else name.split(".")[:-1]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in (_loading_nodes(tree) if loading else ast.walk(tree)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == package.name}
         elif isinstance(node, ast.ImportFrom):
@@ -76,8 +78,22 @@ def in_lab(module: str) -> bool:
     return layer_of(module).split(".")[0] == LAB
 
 
+def _loading_nodes(tree: ast.AST) -> list[ast.AST]:
+    """The nodes that run when the module is loaded: everything outside function bodies."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            todo += ast.iter_child_nodes(node)
+    return out
+
+
 def problems(package: Path) -> list[str]:
-    graph = {module_name(p, package): imports_of(p, package) for p in sorted(package.rglob("*.py"))}
+    files = sorted(package.rglob("*.py"))
+    graph = {module_name(p, package): imports_of(p, package) for p in files}
+    loading = {module_name(p, package): imports_of(p, package, loading=True) for p in files}
     found = []
     for mod, deps in sorted(graph.items()):
         for dep in sorted(deps):
@@ -85,8 +101,20 @@ def problems(package: Path) -> list[str]:
                 found.append(f"{mod} imports {dep} from a higher layer")
             if in_lab(dep) and not in_lab(mod) and mod != f"{package.name}.{REGISTRAR}":
                 found.append(f"{mod} imports {dep}: the toolkit never imports the lab")
-    found += [f"import circle: {' -> '.join(c)}" for c in _circles(graph)]
+    found += [f"import circle: {' -> '.join(c)}" for c in _circles(with_packages(loading, package.name))]
     return found
+
+
+def with_packages(graph: dict[str, set[str]], root: str) -> dict[str, set[str]]:
+    """``graph`` with the imports Python makes on the way: importing ``a.b.c`` runs ``a/b/__init__.py``
+    first (a package's own ancestors and the root package aside), so a package's face that imports more
+    than its module can close a circle."""
+    out: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        own = {mod.rsplit(".", i)[0] for i in range(mod.count(".") + 1)}
+        parents = {d.rsplit(".", i)[0] for d in deps for i in range(1, d.count("."))}
+        out[mod] = deps | {p for p in parents if p in graph and p not in own and p != root}
+    return out
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -138,9 +166,10 @@ def test_the_checker_catches_an_upward_import_a_circle_and_the_toolkit_using_the
 
 
 def test_every_folder_has_a_layer() -> None:
+    """A folder of the package is a layer, or lies in one (``lab/serving/`` in ``lab/``)."""
     folders = {".".join(p.parent.relative_to(PACKAGE).parts) for p in PACKAGE.rglob("*.py")
                if p.parent != PACKAGE}
-    assert folders <= set(LAYERS), folders - set(LAYERS)
+    assert {f for f in folders if not any(f == n or f.startswith(n + ".") for n in LAYERS if n)} == set()
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -189,23 +218,6 @@ def test_reports_are_written_with_portable_paths(tmp_path: Path) -> None:
     out = tmp_path / "r.md"
     write_report(out, f"{root}/a", root)
     assert out.read_text() == "a"
-
-
-def test_loadtest_runs_where_click_and_jinja2_are_missing() -> None:
-    """`python3 -m opencoti_patch.lab.loadtest` on a GPU host with only the standard library."""
-    import subprocess
-    import sys
-
-    code = ("import sys\n"
-            "class Block:\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] in ('click', 'jinja2', 'git', 'numpy', 'requests'):\n"
-            "            raise ImportError(name)\n"
-            "sys.meta_path.insert(0, Block())\n"
-            "import runpy\nsys.argv = ['loadtest', '--help']\n"
-            "runpy.run_module('opencoti_patch.lab.loadtest', run_name='__main__')\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert res.returncode == 0 and "--corpus" in res.stdout, res.stderr
 
 
 def _splices_or_searches_lines(tree: ast.AST) -> list[int]:

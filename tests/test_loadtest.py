@@ -15,8 +15,8 @@ import pytest
 from click.testing import CliRunner
 
 from opencoti_patch.cli import cli
-from opencoti_patch.errors import EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK
-from opencoti_patch.lab import loadtest as lt
+from opencoti_patch.errors import EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_OK, OpencotiError
+from opencoti_patch.lab.serving import http, judge, load, loadtest, schedule, server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_llama_server import FakeLlamaServer, Faults  # noqa: E402
@@ -24,7 +24,12 @@ from fake_llama_server import FakeLlamaServer, Faults  # noqa: E402
 WORDS = " ".join(f"word{i} lorem ipsum dolor sit amet." for i in range(6000))
 
 
-def small_cfg(**kw: Any) -> lt.LoadConfig:
+def run_cli(args: list[str]) -> int:
+    """``opencoti-patch lab loadtest ARGS``: its exit code."""
+    return CliRunner().invoke(cli, ["lab", "loadtest", *args]).exit_code
+
+
+def small_cfg(**kw: Any) -> schedule.LoadConfig:
     base: dict[str, Any] = dict(
         requests=30,
         concurrency=4,
@@ -43,7 +48,7 @@ def small_cfg(**kw: Any) -> lt.LoadConfig:
         isolated=3,
     )
     base.update(kw)
-    return lt.LoadConfig(**base)
+    return schedule.LoadConfig(**base)
 
 
 def word_tokenizer(text: str) -> int:
@@ -58,14 +63,14 @@ def check(summary: dict[str, Any], stage: str) -> bool | None:
 
 
 @pytest.fixture(params=["requests", "http.client"])
-def transport(request: pytest.FixtureRequest) -> lt.Transport:
-    return lt.default_transport(str(request.param))
+def transport(request: pytest.FixtureRequest) -> http.Transport:
+    return http.default_transport(str(request.param))
 
 
-def run_against(faults: Faults, transport: lt.Transport, **kw: Any) -> dict[str, Any]:
+def run_against(faults: Faults, transport: http.Transport, **kw: Any) -> dict[str, Any]:
     with FakeLlamaServer(faults) as srv:
-        res = lt.run_variants(
-            [lt.Variant("fake", [])],
+        res = loadtest.run_variants(
+            [server.Variant("fake", ())],
             small_cfg(**kw),
             WORDS,
             transport,
@@ -83,8 +88,8 @@ def run_against(faults: Faults, transport: lt.Transport, **kw: Any) -> dict[str,
 
 def test_plan_is_seeded_within_bounds_with_unique_markers_and_far_repeats() -> None:
     cfg = small_cfg(requests=40)
-    a = lt.plan(WORDS, cfg, word_tokenizer)
-    b = lt.plan(WORDS, cfg, word_tokenizer)
+    a = schedule.plan(WORDS, cfg, word_tokenizer)
+    b = schedule.plan(WORDS, cfg, word_tokenizer)
     assert [(j.spec.prompt, j.endpoint, j.stream, j.cancel_after, j.repeat_of) for j in a] == [
         (j.spec.prompt, j.endpoint, j.stream, j.cancel_after, j.repeat_of) for j in b
     ]
@@ -96,8 +101,8 @@ def test_plan_is_seeded_within_bounds_with_unique_markers_and_far_repeats() -> N
     for j in uniques:
         assert 60 <= j.spec.n_tokens <= 140 and j.spec.n_tokens == word_tokenizer(j.spec.prompt)
         # head, the key sentence, the end line, the question
-        assert lt.MARKER_RE.findall(j.spec.prompt) == [j.spec.rid] * 4
-        assert lt.KEY_RE.findall(j.spec.prompt) == [j.spec.fact]
+        assert schedule.MARKER_RE.findall(j.spec.prompt) == [j.spec.rid] * 4
+        assert schedule.KEY_RE.findall(j.spec.prompt) == [j.spec.fact]
         assert j.cancel_after is None or j.stream
     for j in a:
         if j.repeat_of is not None:
@@ -105,11 +110,12 @@ def test_plan_is_seeded_within_bounds_with_unique_markers_and_far_repeats() -> N
             assert orig.spec is j.spec and orig.cancel_after is None and j.cancel_after is None
             assert j.pos - orig.pos >= 2 * cfg.concurrency + 1
     assert any(j.cancel_after for j in a) and any(j.endpoint == "v1" for j in a)
-    assert lt.plan(WORDS, small_cfg(requests=40, seed=4), word_tokenizer)[0].spec.prompt != a[0].spec.prompt
+    other = schedule.plan(WORDS, small_cfg(requests=40, seed=4), word_tokenizer)
+    assert other[0].spec.prompt != a[0].spec.prompt
 
 
 def test_shared_prefix_is_common_and_slices_differ() -> None:
-    jobs = lt.plan(
+    jobs = schedule.plan(
         WORDS,
         small_cfg(requests=10, shared_prefix_tokens=40, min_tokens=110, repeat_frac=0.0),
         word_tokenizer,
@@ -119,30 +125,30 @@ def test_shared_prefix_is_common_and_slices_differ() -> None:
     assert set(prefixes) >= {""} and len(set(prefixes)) == 2 and 0 < prefixes.count("") < len(jobs)
     shared = next(x for x in prefixes if x)
     assert 30 <= word_tokenizer(shared) - 1 <= 40
-    every = lt.plan(WORDS, small_cfg(requests=10, shared_prefix_tokens=40, min_tokens=110, repeat_frac=0.0,
-                                     shared_prefix_frac=1.0), word_tokenizer)
+    every = schedule.plan(WORDS, small_cfg(requests=10, shared_prefix_tokens=40, min_tokens=110,
+                                           repeat_frac=0.0, shared_prefix_frac=1.0), word_tokenizer)
     assert {j.spec.prompt.split("\n\n=== document")[0] for j in every} == {shared}
 
 
 def test_config_validation() -> None:
-    with pytest.raises(lt.LoadTestError):
+    with pytest.raises(OpencotiError):
         small_cfg(min_tokens=200, max_tokens=100).validate()
-    with pytest.raises(lt.LoadTestError):
+    with pytest.raises(OpencotiError):
         small_cfg(shared_prefix_tokens=50).validate()
-    with pytest.raises(lt.LoadTestError):
-        lt.parse_variant("no equals sign")
-    assert lt.parse_variant("sparse=--sparse-attn on --sparse-attn-topk 8").args == [
+    with pytest.raises(OpencotiError):
+        server.parse_variant("no equals sign")
+    assert server.parse_variant("sparse=--sparse-attn on --sparse-attn-topk 8").args == (
         "--sparse-attn",
         "on",
         "--sparse-attn-topk",
         "8",
-    ]
+    )
 
 
 # --- checks against the fake server -------------------------------------------------------------------
 
 
-def test_clean_server_passes_every_check(transport: lt.Transport) -> None:
+def test_clean_server_passes_every_check(transport: http.Transport) -> None:
     s = run_against(Faults(chunk_delay_s=0.001), transport)
     assert s["passed"], s["checks"]
     # --url without --server-pid: memory cannot be sampled, so not PASS
@@ -159,32 +165,32 @@ def test_clean_server_passes_every_check(transport: lt.Transport) -> None:
     assert s["generated_tokens"] == 5 * s["completed"] and s["decode_tps_per_request"] == pytest.approx(500.0)
 
 
-def test_a_500_fails_no_5xx(transport: lt.Transport) -> None:
+def test_a_500_fails_no_5xx(transport: http.Transport) -> None:
     s = run_against(Faults(status_500_calls={3, 7}), transport)
     assert not s["passed"] and check(s, "no_5xx") is False and s["http_5xx"] == 2
     assert "Failed to parse input" in json.dumps(s["errors_sample"])
 
 
-def test_an_invalid_sse_chunk_fails_valid_json(transport: lt.Transport) -> None:
+def test_an_invalid_sse_chunk_fails_valid_json(transport: http.Transport) -> None:
     s = run_against(Faults(bad_json_chunk=True), transport)
     assert not s["passed"] and check(s, "valid_json") is False
     assert s["error_kinds"]["valid_json"] > 0
     assert check(s, "no_5xx") is True
 
 
-def test_text_fed_to_another_request_fails_attribution(transport: lt.Transport) -> None:
+def test_text_fed_to_another_request_fails_attribution(transport: http.Transport) -> None:
     s = run_against(Faults(leak=True), transport, concurrency=1)
     assert check(s, "attribution") is False and s["error_kinds"]["attribution"] > 0
 
 
-def test_answers_without_their_key_fail_key_echo(transport: lt.Transport) -> None:
+def test_answers_without_their_key_fail_key_echo(transport: http.Transport) -> None:
     # what the real server did: no answer held any marker, so no foreign one could ever be seen
     s = run_against(Faults(no_echo=True), transport)
     assert check(s, "key_echo") is False and not s["passed"] and s["key_echo"].startswith("0/")
     assert check(s, "attribution") is True  # the foreign checks alone pass: they prove nothing here
 
 
-def test_answers_that_continue_another_context_fail_key_echo(transport: lt.Transport) -> None:
+def test_answers_that_continue_another_context_fail_key_echo(transport: http.Transport) -> None:
     # each answer repeats its own marker (the question names it) but goes on with another request's
     # context: it never read its own, and used to pass marker_echo and attribution
     s = run_against(Faults(wrong_context=True), transport, concurrency=1)
@@ -193,7 +199,7 @@ def test_answers_that_continue_another_context_fail_key_echo(transport: lt.Trans
 
 
 def test_every_prompt_asks_for_the_key_of_its_context_last() -> None:
-    jobs = lt.plan(WORDS, small_cfg(requests=6, repeat_frac=0.0), word_tokenizer)
+    jobs = schedule.plan(WORDS, small_cfg(requests=6, repeat_frac=0.0), word_tokenizer)
     for j in jobs:
         p = j.spec.prompt
         assert p.rstrip().endswith(f"The key of document {j.spec.rid} is")
@@ -203,7 +209,7 @@ def test_every_prompt_asks_for_the_key_of_its_context_last() -> None:
         assert head < at < end and 0.2 < (at - head) / (end - head) < 0.8
 
 
-def test_nondeterministic_output_fails_the_isolated_check(transport: lt.Transport) -> None:
+def test_nondeterministic_output_fails_the_isolated_check(transport: http.Transport) -> None:
     s = run_against(Faults(nondeterministic=True), transport)
     assert check(s, "isolated_deterministic") is False and not s["passed"]
     assert s["determinism"]["mismatches"] > 0  # reported under load too ...
@@ -213,20 +219,20 @@ def test_nondeterministic_output_fails_the_isolated_check(transport: lt.Transpor
 
 
 def test_time_limit_skips_the_rest() -> None:
-    s = run_against(Faults(chunk_delay_s=0.02), lt.default_transport(), time_limit_s=0.3, isolated=0)
+    s = run_against(Faults(chunk_delay_s=0.02), http.default_transport(), time_limit_s=0.3, isolated=0)
     assert 0 < s["skipped"] < s["requests"] and check(s, "all_started") is False
 
 
 def _two_servers(salt_b: str) -> list[dict[str, Any]]:
     cfg = small_cfg(requests=16, isolated=2)
-    t = lt.default_transport()
+    t = http.default_transport()
     runs: dict[str, dict[str, Any]] = {}
     with FakeLlamaServer(Faults()) as a, FakeLlamaServer(Faults(salt=salt_b)) as b:
-        jobs = lt.plan(WORDS, cfg, lt.server_tokenizer(t, a.url))
+        jobs = schedule.plan(WORDS, cfg, server.server_tokenizer(t, a.url))
         for name, srv in (("dense", a), ("selectall", b)):
-            runs[name] = lt.run_load(t, srv.url, jobs, cfg)
-            runs[name]["isolated"] = lt.run_isolated(t, srv.url, jobs, cfg)
-    return lt.evaluate_pairs(runs, [("selectall", "dense")], [("dense", "selectall")])
+            runs[name] = load.run_load(t, srv.url, jobs, cfg)
+            runs[name]["isolated"] = load.run_isolated(t, srv.url, jobs, cfg)
+    return judge.evaluate_pairs(runs, [("selectall", "dense")], [("dense", "selectall")])
 
 
 def test_expect_equal_passes_on_identical_servers_and_fails_otherwise() -> None:
@@ -242,32 +248,32 @@ def test_expect_equal_passes_on_identical_servers_and_fails_otherwise() -> None:
 
 def test_rss_summary_measures_growth_after_warmup() -> None:
     samples = [(0.0, 100 * 1024, 0), (1.0, 400 * 1024, 2), (2.0, 420 * 1024, 5), (3.0, 500 * 1024, 9)]
-    r = lt.rss_summary(samples, warmup_done=2)
+    r = load.rss_summary(samples, warmup_done=2)
     assert r is not None
     assert (r["start_mib"], r["warm_mib"], r["peak_mib"], r["end_mib"]) == (100.0, 400.0, 500.0, 500.0)
     assert r["growth_after_warmup_mib"] == 100.0
-    assert lt.rss_summary([], 1) is None
+    assert load.rss_summary([], 1) is None
     run = {"outcomes": [], "wall_s": 1.0, "rss_samples": samples, "pid": 1}
-    assert check(lt.summarize("x", run, small_cfg(rss_growth_mib=64), {}), "rss_flat") is False
-    assert check(lt.summarize("x", run, small_cfg(rss_growth_mib=400), {}), "rss_flat") is True
+    assert check(judge.summarize("x", run, small_cfg(rss_growth_mib=64), {}), "rss_flat") is False
+    assert check(judge.summarize("x", run, small_cfg(rss_growth_mib=400), {}), "rss_flat") is True
 
 
 def test_rss_flat_uses_the_peak_not_the_last_sample() -> None:
     spike = [(0.0, 100 * 1024, 0), (1.0, 400 * 1024, 2), (2.0, 900 * 1024, 5), (3.0, 410 * 1024, 9)]
-    r = lt.rss_summary(spike, warmup_done=2)
+    r = load.rss_summary(spike, warmup_done=2)
     assert r is not None and r["growth_after_warmup_mib"] == 10.0 and r["peak_after_warmup_mib"] == 500.0
     run = {"outcomes": [], "wall_s": 1.0, "rss_samples": spike, "pid": 1}
-    assert check(lt.summarize("x", run, small_cfg(rss_growth_mib=64), {}), "rss_flat") is False
+    assert check(judge.summarize("x", run, small_cfg(rss_growth_mib=64), {}), "rss_flat") is False
 
 
 def test_memory_with_only_a_start_and_an_end_sample_is_not_checked() -> None:
     # +2000 MiB between the only two samples used to pass: the end sample was its own baseline
     ends = [(0.0, 100 * 1024, 0), (9.0, 2100 * 1024, 10)]
     for warmup in (0, 1):
-        r = lt.rss_summary(ends, warmup_done=warmup)
+        r = load.rss_summary(ends, warmup_done=warmup)
         assert r is not None and "problem" in r and "peak_after_warmup_mib" not in r
     run = {"outcomes": [], "wall_s": 1.0, "rss_samples": ends, "pid": 1}
-    s = lt.summarize("x", run, small_cfg(rss_growth_mib=64), {})
+    s = judge.summarize("x", run, small_cfg(rss_growth_mib=64), {})
     assert check(s, "rss_flat") is None and s["verdict"] != "PASS"
     assert any(n.startswith("rss_flat: x: rss_flat") for n in s["not_checked"])
 
@@ -275,23 +281,23 @@ def test_memory_with_only_a_start_and_an_end_sample_is_not_checked() -> None:
 def test_the_load_samples_memory_throughout() -> None:
     with FakeLlamaServer(Faults()) as srv:
         cfg = small_cfg(requests=10, isolated=0, repeat_frac=0.0, rss_interval_s=60.0)  # no timer tick
-        t = lt.default_transport()
-        jobs = lt.plan(WORDS, cfg, lt.server_tokenizer(t, srv.url))
-        run = lt.run_load(t, srv.url, jobs, cfg, pid=os.getpid(), gpu=lambda pid: None)
+        t = http.default_transport()
+        jobs = schedule.plan(WORDS, cfg, server.server_tokenizer(t, srv.url))
+        run = load.run_load(t, srv.url, jobs, cfg, pid=os.getpid(), gpu=lambda pid: None)
     done = [d for _, _, d in run["rss_samples"]]
     # the start, one sample after every request (the first one done is the warm-up baseline), the end
     assert len(done) == 12 and done[0] == 0 and min(done[1:]) >= 1 and done[-1] == 10, done
-    r = lt.rss_summary(run["rss_samples"], warmup_done=1)
+    r = load.rss_summary(run["rss_samples"], warmup_done=1)
     assert r is not None and r["after_warmup"] == 11 and "peak_after_warmup_mib" in r
 
 def test_gpu_memory_is_sampled_and_checked() -> None:
     grows = iter([1000])
     with FakeLlamaServer(Faults()) as srv:
         cfg = small_cfg(requests=8, isolated=0, repeat_frac=0.0)
-        t = lt.default_transport()
-        jobs = lt.plan(WORDS, cfg, lt.server_tokenizer(t, srv.url))
-        run = lt.run_load(t, srv.url, jobs, cfg, pid=os.getpid(), gpu=lambda pid: next(grows, 1400))
-    s = lt.summarize("x", run, small_cfg(gpu_growth_mib=64, warmup_frac=0.0), {})
+        t = http.default_transport()
+        jobs = schedule.plan(WORDS, cfg, server.server_tokenizer(t, srv.url))
+        run = load.run_load(t, srv.url, jobs, cfg, pid=os.getpid(), gpu=lambda pid: next(grows, 1400))
+    s = judge.summarize("x", run, small_cfg(gpu_growth_mib=64, warmup_frac=0.0), {})
     assert s["gpu"] is not None and s["gpu"]["peak_mib"] == 1400.0
     assert check(s, "gpu_mem_flat") is False
 
@@ -300,7 +306,7 @@ def test_a_pid_without_gpu_samples_is_not_checked() -> None:
     # a server pid, but nvidia-smi lists no memory for it: the GPU check used to be dropped silently
     samples = [(0.0, 100 * 1024, 0), (1.0, 110 * 1024, 2), (2.0, 110 * 1024, 5), (3.0, 110 * 1024, 9)]
     run = {"outcomes": [], "wall_s": 1.0, "rss_samples": samples, "gpu_samples": [], "pid": 4242}
-    s = lt.summarize("x", run, small_cfg(), {})
+    s = judge.summarize("x", run, small_cfg(), {})
     assert check(s, "rss_flat") is True and check(s, "gpu_mem_flat") is None
     gpu = next(c for c in s["checks"] if c["stage"] == "gpu_mem_flat")
     assert "nvidia-smi lists no GPU memory for pid 4242" in gpu["summary"]
@@ -309,7 +315,7 @@ def test_a_pid_without_gpu_samples_is_not_checked() -> None:
 
 def test_memory_without_a_pid_is_not_checked_and_incomplete(tmp_path: Path) -> None:
     run = {"outcomes": [], "wall_s": 1.0, "rss_samples": [], "pid": None}
-    s = lt.summarize("x", run, small_cfg(), {})
+    s = judge.summarize("x", run, small_cfg(), {})
     assert check(s, "rss_flat") is None and check(s, "gpu_mem_flat") is None
     assert {"rss_flat", "gpu_mem_flat"} <= {n.split(":")[0] for n in s["not_checked"]}
     corpus = tmp_path / "corpus.md"
@@ -317,21 +323,21 @@ def test_memory_without_a_pid_is_not_checked_and_incomplete(tmp_path: Path) -> N
     args = ["--requests", "8", "--min-tokens", "40", "--max-tokens", "80", "--n-predict", "3",
             "--isolated", "2", "--corpus", str(corpus)]
     with FakeLlamaServer(Faults()) as srv:
-        assert lt.main(["--url", srv.url, *args]) == EXIT_CHECK_FAILED  # INCOMPLETE
-        assert lt.main(["--url", srv.url, "--accept-not-checked", *args]) == EXIT_OK  # bare: any
-        assert lt.main(["--url", srv.url, "--accept-not-checked", "gpu_mem_flat", *args]) == EXIT_CHECK_FAILED
+        assert run_cli(["--url", srv.url, *args]) == EXIT_CHECK_FAILED  # INCOMPLETE
+        assert run_cli(["--url", srv.url, "--accept-not-checked", *args]) == EXIT_OK  # bare: any
+        assert run_cli(["--url", srv.url, "--accept-not-checked", "gpu_mem_flat", *args]) == EXIT_CHECK_FAILED
         pid = ["--server-pid", str(os.getpid())]
-        assert lt.main(["--url", srv.url, *pid, *args]) == EXIT_CHECK_FAILED  # no GPU memory of this pid
-        assert lt.main(["--url", srv.url, *pid, "--accept-not-checked", "gpu_mem_flat", *args]) == EXIT_OK
-        assert lt.main(["--url", srv.url, *pid, "--isolated", "0", "--accept-not-checked", "gpu_mem_flat",
+        assert run_cli(["--url", srv.url, *pid, *args]) == EXIT_CHECK_FAILED  # no GPU memory of this pid
+        assert run_cli(["--url", srv.url, *pid, "--accept-not-checked", "gpu_mem_flat", *args]) == EXIT_OK
+        assert run_cli(["--url", srv.url, *pid, "--isolated", "0", "--accept-not-checked", "gpu_mem_flat",
                         *args[:-4], "--corpus", str(corpus)]) == EXIT_CHECK_FAILED  # no isolated reference
 
 
 def test_rss_sampler_reads_proc() -> None:
     import os
 
-    assert (lt.RssSampler.read_rss_kib(os.getpid()) or 0) > 1000
-    assert lt.RssSampler.read_rss_kib(2**22 + 12345) is None
+    assert (load.RssSampler.read_rss_kib(os.getpid()) or 0) > 1000
+    assert load.RssSampler.read_rss_kib(2**22 + 12345) is None
 
 
 # --- spawning a "server" and the CLI -----------------------------------------------------------------------
@@ -352,7 +358,7 @@ def test_main_spawns_the_server_and_writes_reports(fake_binary: Path, tmp_path: 
     corpus.write_text(WORDS)
     out = tmp_path / "out" / "serving.json"
     md = tmp_path / "out" / "serving.md"
-    code = lt.main(
+    code = run_cli(
         [
             "--server",
             str(fake_binary),
@@ -408,13 +414,13 @@ def test_main_reports_a_server_that_dies(tmp_path: Path) -> None:
     exe.chmod(0o755)
     corpus = tmp_path / "corpus.md"
     corpus.write_text(WORDS)
-    assert lt.main(["--server", str(exe), "--model", "m.gguf", "--corpus", str(corpus)]) == EXIT_ERROR
+    assert run_cli(["--server", str(exe), "--model", "m.gguf", "--corpus", str(corpus)]) == EXIT_ERROR
 
 
-def test_cli_forwards_to_the_driver() -> None:
-    r = CliRunner().invoke(cli, ["loadtest", "--help"])
+def test_the_command_names_every_option_and_refuses_what_cannot_run() -> None:
+    r = CliRunner().invoke(cli, ["lab", "loadtest", "--help"])
     assert r.exit_code == 0 and "--sparse-attn" in r.output and "--expect-equal" in r.output
     r = CliRunner().invoke(
-        cli, ["loadtest", "--url", "http://127.0.0.1:9", "--variant", "a=", "--variant", "b="]
+        cli, ["lab", "loadtest", "--url", "http://127.0.0.1:9", "--variant", "a=", "--variant", "b="]
     )
-    assert r.exit_code == EXIT_ERROR
+    assert r.exit_code == EXIT_ERROR and "--url runs a single variant" in r.output

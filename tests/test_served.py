@@ -1,4 +1,4 @@
-"""lab/served.py: the passkey set through llama-server, one at a time vs several at a time."""
+"""lab/serving/passkey.py: the passkey set through llama-server, one at a time vs several at a time."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_llama_server import FakeLlamaServer  # noqa: E402
 
-from opencoti_patch.lab import served  # noqa: E402
-from opencoti_patch.lab.loadtest import HttpClientTransport  # noqa: E402
 from opencoti_patch.lab.needle import Sample  # noqa: E402
+from opencoti_patch.lab.serving import passkey as served  # noqa: E402
+from opencoti_patch.lab.serving.http import HttpClientTransport  # noqa: E402
 
 PARAGRAPHS = [f"Paragraph {i} tells of river number {i} and of the towns along its banks, one after another."
               for i in range(1000)]

@@ -36,6 +36,7 @@ from ..errors import CheckFailed, OpencotiError
 from ..verdict import Check, Verdict, verdict_of
 from ..verify.identical import parse_log_facts
 from .logits import compare_logits
+from .serving.server import free_port
 
 VARIANTS = ("local-dense", "split-dense", "split-selectall", "split-sparse", "local-sparse")
 
@@ -79,12 +80,6 @@ class VariantRun:
     summary: dict[str, Any]
     buffers: list[dict[str, Any]] = field(default_factory=list)
     graph: dict[str, int] = field(default_factory=dict)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _accepts(host: str, port: int) -> bool:

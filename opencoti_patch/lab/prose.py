@@ -1,9 +1,11 @@
-"""Real prose for the quality evals: paragraphs of running text from documentation folders.
+"""Real prose for the lab: paragraphs of running text from documentation folders (the selector tools' corpus,
+and the text the load test's prompts are cut from).
 
 A selector is judged on text whose blocks differ from each other. A filler that repeats one sentence
 makes every block look alike, so any selector finds the needle; real paragraphs do not.
 
-Sources, read in sorted path order so that the corpus is the same on every machine:
+Sources (files, folders or glob patterns), read in sorted path order so that the corpus is the same on every
+machine:
 - HTML (e.g. the Python documentation, Debian's ``python3-doc``: ``/usr/share/doc/python3/html``):
   the text of ``<p>`` elements outside ``<pre>``/``<code>``-only blocks, tables and navigation;
 - Markdown (e.g. the ``docs/`` of the pinned llama.cpp tree, which every run fetches): paragraphs
@@ -18,6 +20,7 @@ or ``:``) are kept, and each paragraph once (the first occurrence), so nothing r
 
 from __future__ import annotations
 
+import glob
 import gzip
 import hashlib
 import html
@@ -101,6 +104,7 @@ def _markdown_paragraphs(text: str) -> list[str]:
 
 
 BUNDLE_SUFFIXES = (".txt", ".txt.gz")
+DOC_SUFFIXES = (".html", ".htm", ".md")  # what a folder's files are read for
 
 
 def _is_bundle(path: Path) -> bool:
@@ -135,14 +139,21 @@ def is_prose(paragraph: str, min_words: int = MIN_WORDS) -> bool:
     return len(words) >= min_words and paragraph.rstrip().endswith((".", "!", "?", ":"))
 
 
+def source_files(root: Path) -> list[Path]:
+    """The files of one source: the file itself (read alone: HTML, Markdown or a bundle), every .html/.md file
+    under a folder, or what a glob pattern (``docs/**/*.md``) names; in sorted path order."""
+    if root.is_file():
+        return [root]
+    if root.is_dir():
+        return sorted(p for p in root.rglob("*") if p.suffix.lower() in DOC_SUFFIXES and p.is_file())
+    return sorted(Path(p) for p in glob.glob(str(root), recursive=True) if Path(p).is_file())
+
+
 def iter_paragraphs(roots: Iterable[Path], min_words: int = MIN_WORDS) -> Iterator[str]:
-    """Distinct prose paragraphs of every .html/.md file under ``roots``, in sorted path order (a root that is
-    a file is read alone: HTML, Markdown or a bundle)."""
+    """Distinct prose paragraphs of every source in ``roots`` (:func:`source_files`), in sorted path order."""
     seen: set[str] = set()
     for root in roots:
-        files = [root] if root.is_file() else sorted(
-            p for p in root.rglob("*") if p.suffix.lower() in (".html", ".htm", ".md") and p.is_file())
-        for path in files:
+        for path in source_files(root):
             if _is_bundle(path):
                 paras = _bundle_paragraphs(path)
             else:
@@ -155,9 +166,11 @@ def iter_paragraphs(roots: Iterable[Path], min_words: int = MIN_WORDS) -> Iterat
                     yield p
 
 
-def load_corpus(roots: Iterable[Path], min_words: int = MIN_WORDS) -> list[str]:
-    roots = list(roots)
-    missing = [str(r) for r in roots if not r.exists()]
+def load_corpus(sources: Iterable[Path | str], min_words: int = MIN_WORDS) -> list[str]:
+    """The prose paragraphs of ``sources`` (files, folders, glob patterns): the one corpus of the lab (the
+    selector tools read it as paragraphs, the load test as one text)."""
+    roots = [Path(s) for s in sources]
+    missing = [str(r) for r in roots if not r.exists() and not source_files(r)]  # a pattern: what it names
     if missing:
         raise OpencotiError(f"prose source not found: {', '.join(missing)} (`apt-get install python3-doc` "
                             "gives /usr/share/doc/python3/html; the llama.cpp tree's docs/ also works)")

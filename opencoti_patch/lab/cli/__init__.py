@@ -14,7 +14,7 @@ def lab_group() -> None:
     """The sparse-attention lab: measure the series' block selection (quality, speed, serving, devices)."""
 
 
-for _command in (*eval.COMMANDS, *selector.COMMANDS, *bench.COMMANDS, loadtest.loadtest_command,
+for _command in (*eval.COMMANDS, *selector.COMMANDS, *bench.COMMANDS, *loadtest.COMMANDS,
                  *multidevice.COMMANDS):  # listed in this order
     lab_group.add_command(_command)
 

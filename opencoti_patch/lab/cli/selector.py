@@ -4,13 +4,12 @@ selector judged on real prose.
 The logic is one layer down: :mod:`opencoti_patch.lab.selector` (the workspace, the recall and needle tables
 from Q/K dumps, the report every command merges its part into: ``<out-dir>/<name>.json|md``),
 :mod:`opencoti_patch.lab.needle` (passkey and fidelity through the real decode path, every variant from one
-dense prefill) and :mod:`opencoti_patch.lab.served` (the passkey set through llama-server, one request at a
-time vs several at a time; its own report).
+dense prefill) and :mod:`opencoti_patch.lab.serving.passkey` (the passkey set through llama-server, one
+request at a time vs several at a time; its own report).
 """
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
 from collections.abc import Callable
@@ -20,14 +19,14 @@ from typing import Any
 import click
 
 from ...cli.options import fraction_list, int_list
-from ...config import Settings, write_report
 from ...errors import CheckFailed, OpencotiError
-from ...report import info, render
-from .. import needle, prose, recall, selector, served
+from ...report import info
+from .. import needle, prose, recall, selector
 from ..batch import Offload
 from ..evaluate import parse_samples_spec
-from ..loadtest import ServerConfig, default_transport
 from ..runinfo import command_line
+from ..serving import passkey as served
+from ..serving.http import default_transport
 from ..variants import BLOCK, RECENT, SINK, parse_score
 
 
@@ -329,22 +328,15 @@ def served_command(build_dir: Path, llama_src: Path | None, model: Path | None, 
         raise click.BadParameter("served runs llama-server, not the harness: put its flags in --server-args",
                                  param_hint="--harness-arg")
     ws = _workspace(build_dir, llama_src, model, prose_dirs, work_dir, ngl)
-    args = shlex.split(server_args) + (["-ngl", str(ngl)] if ngl else [])
-    server = ServerConfig(binary=ws.bin / "llama-server", model=ws.model, args=args,
-                          parallel=parallel, ctx=parallel * n_ctx, threads=threads)
-    if not server.binary.is_file():
-        raise OpencotiError(f"{server.binary} not found: build the llama-server target of that build")
+    server = served.llama_server(ws.bin, ws.model, server_args=shlex.split(server_args), ngl=ngl,
+                                 parallel=parallel, n_ctx=n_ctx, threads=threads)
     variants = served.default_variants(n_ctx, share)
     res = served.run(server, variants, ws.paragraphs, default_transport(), n_ctx=n_ctx, count=count,
                      seed=seed, n_predict=n_predict, concurrency=parallel, tolerance=tolerance,
                      log_dir=ws.work / "served", cache_prompt=cache_prompt, progress=info,
                      min_control=min_control)
-    data = {"command": command_line(), **ws.meta(), **served.public(res, server)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_report(out_dir / f"{name}.json", json.dumps(data, indent=1, sort_keys=True) + "\n")
-    md = render(Settings.resolve().templates_dirs, "serving-passkey.md.j2", **data)
-    write_report(out_dir / f"{name}.md", md)
-    info(f"wrote {out_dir / name}.json and .md: {res['verdict']}")
+    path = served.save(out_dir, name, {"command": command_line(), **ws.meta(), **served.public(res, server)})
+    info(f"wrote {path} and {path.with_suffix('.md')}: {res['verdict']}")
     if res["verdict"] != "PASS":
         raise CheckFailed(f"served passkey {res['verdict']}: {'; '.join(res['failed'])}")
 

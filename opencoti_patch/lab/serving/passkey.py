@@ -33,35 +33,31 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..verdict import Check, verdict_of
-from .evaluate import parse_answer
-from .loadtest import LoadTestError, ServerConfig, ServerProcess, Transport, server_tokenizer
-from .needle import Sample, make_samples
-from .prose import take_text
-from .variants import BLOCK, sparse_variant
+from ...config import Settings, write_report
+from ...errors import OpencotiError
+from ...report import render
+from ...verdict import Check, verdict_of
+from ..evaluate import parse_answer
+from ..needle import Sample, make_samples
+from ..prose import take_text
+from ..variants import BLOCK, sparse_variant
+from .http import Transport
+from .server import ServerConfig, ServerProcess, Variant, server_tokenizer
 
 MODES = ("sequential", "concurrent")
 MIN_CONTROL = 0.25  # share of the keys the control must find in each mode for the comparison to mean anything
 REQUIRED_STAGES = ("requests", "attribution", "control", "concurrency")
 
 
-@dataclasses.dataclass(frozen=True)
-class ServedVariant:
-    """A server configuration: its name and the llama-server arguments that make it."""
-
-    name: str
-    args: tuple[str, ...]
-
-
-def default_variants(n_ctx: int, share: float) -> list[ServedVariant]:
+def default_variants(n_ctx: int, share: float) -> list[Variant]:
     """dense, and sparse attending ``share`` of ``n_ctx`` (sink + recent + top-k blocks), selecting from the
     first decode on (min-ctx 1: the automatic threshold would keep a 4K context dense)."""
     c = sparse_variant(n_ctx, round(share * n_ctx), "sparse")
     sparse = ("--sparse-attn", "on", "--sparse-attn-topk", str(c.topk),
               "--sparse-attn-block-size", str(c.block_size), "--sparse-attn-sink", str(c.sink),
               "--sparse-attn-recent", str(c.recent), "--sparse-attn-min-ctx", "1")
-    return [ServedVariant("dense", ("--sparse-attn", "off")),
-            ServedVariant(f"sparse-{share * 100:g}%", sparse)]
+    return [Variant("dense", ("--sparse-attn", "off")),
+            Variant(f"sparse-{share * 100:g}%", sparse)]
 
 
 @dataclasses.dataclass
@@ -214,7 +210,7 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]], prompts: Sequ
             "depths": [round(p.sample.depth, 3) for p in prompts], "verdict": verdict.verdict}
 
 
-def run(server: ServerConfig, variants: Sequence[ServedVariant], paragraphs: list[str], transport: Transport,
+def run(server: ServerConfig, variants: Sequence[Variant], paragraphs: list[str], transport: Transport,
         *, n_ctx: int, count: int, seed: int, n_predict: int, concurrency: int, tolerance: int, log_dir: Path,
         cache_prompt: bool = True, progress: Callable[[str], None] = print,
         min_control: float = MIN_CONTROL) -> dict[str, Any]:
@@ -244,7 +240,7 @@ def run(server: ServerConfig, variants: Sequence[ServedVariant], paragraphs: lis
         finally:
             code = proc.stop()
         if not alive:
-            raise LoadTestError(f"llama-server ({v.name}) died during the run (exit {code}): "
+            raise OpencotiError(f"llama-server ({v.name}) died during the run (exit {code}): "
                                 f"{proc.log_tail()[-600:]}")
     assert prompts is not None
     summary = summarize(results, prompts, tolerance, min_control)
@@ -253,6 +249,28 @@ def run(server: ServerConfig, variants: Sequence[ServedVariant], paragraphs: lis
             "variants": {v.name: list(v.args) for v in variants}, "server_commands": commands,
             "keys": {p.sample.sid: p.sample.key for p in prompts}, "results": results, **summary,
             "seconds": round(time.monotonic() - t0, 1)}
+
+
+def llama_server(bin_dir: Path, model: Path, *, server_args: Sequence[str], ngl: int, parallel: int,
+                 n_ctx: int, threads: int) -> ServerConfig:
+    """The llama-server of a build (its bin/): ``parallel`` slots of ``n_ctx`` cells, ``ngl`` layers
+    offloaded."""
+    server = ServerConfig(binary=bin_dir / "llama-server", model=model,
+                          args=[*server_args, *(["-ngl", str(ngl)] if ngl else [])], parallel=parallel,
+                          ctx=parallel * n_ctx, threads=threads)
+    if not server.binary.is_file():
+        raise OpencotiError(f"{server.binary} not found: build the llama-server target of that build")
+    return server
+
+
+def save(out_dir: Path, name: str, data: dict[str, Any]) -> Path:
+    """``<out_dir>/<name>.json`` and its Markdown report; returns the JSON's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    write_report(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    md = render(Settings.resolve().templates_dirs, "serving-passkey.md.j2", **data)
+    write_report(path.with_suffix(".md"), md)
+    return path
 
 
 def public(res: dict[str, Any], server: ServerConfig) -> dict[str, Any]:
