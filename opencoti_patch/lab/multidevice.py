@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shlex
 import socket
 import subprocess
 import time
@@ -32,7 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..builds.harness import SINGLE_EXE, build_harness
+from ..config import Settings, write_report
 from ..errors import CheckFailed, OpencotiError
+from ..report import render
 from ..verdict import Check, Verdict, verdict_of
 from ..verify.identical import parse_log_facts
 from .logits import compare_logits
@@ -306,6 +310,36 @@ def run_rpc_check(cfg: RpcCheckConfig, variants: Sequence[str] = VARIANTS) -> di
                         "server_device": cfg.server_device, "extra": list(cfg.extra)}
     (cfg.work / "rpc-check.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def rpc_check_config(build_dir: Path, llama_src: Path, model: Path, work: Path, *, split_args: str,
+                     local_args: str, harness_args: Sequence[str] = (), **kw: Any) -> RpcCheckConfig:
+    """The check against a build (its bin/: the RPC server, the libraries the harness is built against,
+    into ``work/harness``); ``split_args``, ``local_args`` and each of ``harness_args`` are llama.cpp flags
+    as one shell-quoted string; ``kw``: the other fields of :class:`RpcCheckConfig`."""
+    bin_dir = build_dir / "bin"
+    harness = build_harness(llama_src, bin_dir, work / "harness", targets=(SINGLE_EXE,))
+    server = next((bin_dir / n for n in SERVER_EXES if (bin_dir / n).is_file()), bin_dir / SERVER_EXES[0])
+    return RpcCheckConfig(harness=harness / SINGLE_EXE, rpc_server=server, model=model, work=work / "runs",
+                          split_args=tuple(shlex.split(split_args)),
+                          local_args=tuple(shlex.split(local_args)),
+                          extra=tuple(a for x in harness_args for a in shlex.split(x)), **kw)
+
+
+def offloaded_layers(cfg: RpcCheckConfig) -> int:
+    """The ``-ngl`` of the split layout (0 without one): what the report's machine line names."""
+    words = list(cfg.split_args)
+    return int(words[words.index("-ngl") + 1]) if "-ngl" in words[:-1] else 0
+
+
+def save(result: dict[str, Any], out_dir: Path, name: str) -> Path:
+    """``<out_dir>/<name>.json`` and its Markdown report; returns the JSON's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    write_report(path, json.dumps(result, indent=1, sort_keys=True) + "\n")
+    write_report(path.with_suffix(".md"), render(Settings.resolve().templates_dirs, "multidevice-rpc.md.j2",
+                                                 **result))
+    return path
 
 
 def portable_args(cmd: Sequence[str], work: Path) -> list[str]:

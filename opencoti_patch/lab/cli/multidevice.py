@@ -1,17 +1,14 @@
-"""Click command ``multidevice rpc``: sparse attention with the layers split between a local device and a
+"""Click command ``lab multidevice rpc``: sparse attention with the layers split between a local device and a
 llama.cpp RPC server on loopback (logic in :mod:`opencoti_patch.lab.multidevice`)."""
 
 from __future__ import annotations
 
-import json
-import shlex
 from pathlib import Path
 
 import click
 
-from ...builds.harness import SINGLE_EXE, build_harness
-from ...config import Settings, write_report
-from ...report import info, render
+from ...config import Settings
+from ...report import info
 from .. import multidevice
 from ..model import find_model
 from ..runinfo import command_line, machine_line
@@ -60,31 +57,20 @@ def rpc_command(build_dir: Path, llama_src: Path | None, model: Path | None, spl
     attention adds no graph split. Exit code 4 unless every check ran and passed.
     """
     settings = Settings.resolve()
-    bin_dir = build_dir / "bin"
-    work = work_dir or settings.work_dir / "multidevice"
-    harness = build_harness(llama_src or settings.tree, bin_dir, work / "harness", targets=(SINGLE_EXE,))
     mdl = find_model(model)
-    server = next((bin_dir / n for n in multidevice.SERVER_EXES if (bin_dir / n).is_file()),
-                  bin_dir / multidevice.SERVER_EXES[0])
-    cfg = multidevice.RpcCheckConfig(
-        harness=harness / SINGLE_EXE, rpc_server=server, model=mdl, work=work / "runs",
-        split_args=tuple(shlex.split(split_args)), local_args=tuple(shlex.split(local_args)),
-        server_device=server_device, prompt_tokens=prompt_tokens, decode=decode, ctx=ctx, topk=topk,
-        threads=threads, extra=tuple(a for x in harness_args for a in shlex.split(x)))
+    cfg = multidevice.rpc_check_config(
+        build_dir, llama_src or settings.tree, mdl, work_dir or settings.work_dir / "multidevice",
+        split_args=split_args, local_args=local_args, harness_args=harness_args, server_device=server_device,
+        prompt_tokens=prompt_tokens, decode=decode, ctx=ctx, topk=topk, threads=threads)
     info(f"multidevice rpc: {len(multidevice.VARIANTS)} runs of {prompt_tokens} + {decode} tokens")
     result = multidevice.run_rpc_check(cfg)
-    ngl_words = shlex.split(split_args)
-    ngl = int(ngl_words[ngl_words.index("-ngl") + 1]) if "-ngl" in ngl_words[:-1] else 0
     result |= {"command": command_line(), "model": mdl.name,
-               "machine": machine_line(ngl if server_device else 0)}
+               "machine": machine_line(multidevice.offloaded_layers(cfg) if server_device else 0)}
     for c in result["checks"]:
         info(f"  {c['status']:<11} {c['name']}: {c['summary']}")
     if out_dir:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_report(out_dir / f"{name}.json", json.dumps(result, indent=1, sort_keys=True) + "\n")
-        md = render(settings.templates_dirs, "multidevice-rpc.md.j2", **result)
-        write_report(out_dir / f"{name}.md", md)
-        info(f"wrote {out_dir / name}.json and .md")
+        path = multidevice.save(result, out_dir, name)
+        info(f"wrote {path} and {path.with_suffix('.md')}")
     multidevice.raise_on_failure(result)
 
 
