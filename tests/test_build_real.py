@@ -304,7 +304,7 @@ def eval_harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 def test_eval_select_all_equals_dense_and_sparse_is_active(eval_harness: batch.Harness,
                                                            tmp_path: Path) -> None:
     """The fidelity plumbing on the real model: select-all bitwise equal to dense, the sparse path runs."""
-    fid = ev.run_fidelity(eval_harness, docs_dir=ROOT / "docs", contexts=[1024], steps=16, fractions=[0.25],
+    fid = ev.gate_fidelity(eval_harness, docs_dir=ROOT / "docs", contexts=[1024], steps=16, fractions=[0.25],
                           accounting="exclusive", work_dir=tmp_path, gate_fraction=0.25, show_progress=False)
     ev.check_select_all(fid)
     by = {r["config"]: r for r in fid["runs"]}
@@ -322,7 +322,7 @@ def test_eval_passkey_gate_on_the_real_model(eval_harness: batch.Harness) -> Non
     """The passkey gate end to end on the real model, with the minimum sample count: dense good on the
     gated needles, the always-kept ones reported apart, the selector strictly ahead of the window baseline;
     the verdict through check_gates (seeded: a failure is a finding, not flakiness)."""
-    out = ev.run_passkey(eval_harness, seed=7, per_ctx={2048: PASSKEY_GATE_SAMPLES}, fractions=[0.25],
+    out = ev.gate_passkey(eval_harness, seed=7, per_ctx={2048: PASSKEY_GATE_SAMPLES}, fractions=[0.25],
                          accounting="exclusive", gate_fraction=0.25, show_progress=False,
                          min_samples=ev.MIN_GATE_SAMPLES)
     gate = out["summary"]["gate"]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from opencoti_patch.errors import CheckFailed, OpencotiError
-from opencoti_patch.lab import batch, logits, variants
+from opencoti_patch.lab import batch, gate_report, logits, passkey, variants
 from opencoti_patch.lab import evaluate as ev
 
 FIT = ev.TokenFit(base=40, per_filler=25.0, header=20)
@@ -36,7 +36,7 @@ def test_prompt_places_the_needle_at_the_depth_and_ends_with_the_qa_frame() -> N
 
 
 def test_samples_are_seeded_deterministic_and_cover_depths() -> None:
-    spec = ev.parse_samples_spec("2048:34,4096:34,8192:34")
+    spec = passkey.parse_samples_spec("2048:34,4096:34,8192:34")
     a = ev.passkey_samples(7, spec, FIT)
     b = ev.passkey_samples(7, spec, FIT)
     c = ev.passkey_samples(8, spec, FIT)
@@ -58,7 +58,7 @@ def test_samples_are_seeded_deterministic_and_cover_depths() -> None:
 @pytest.mark.parametrize("bad", ["", "2048", "2048:x", "a:1"])
 def test_samples_spec_errors(bad: str) -> None:
     with pytest.raises(OpencotiError):
-        ev.parse_samples_spec(bad)
+        passkey.parse_samples_spec(bad)
 
 
 def test_passkey_requests_go_deepest_first_with_prefix_reuse() -> None:
@@ -89,7 +89,7 @@ def test_token_fit_refuses_a_prompt_without_filler() -> None:
     ("", None),
 ])
 def test_parse_answer(text: str, want: str | None) -> None:
-    assert ev.parse_answer(text) == want
+    assert passkey.parse_answer(text) == want
 
 
 # --- configs and budgets ------------------------------------------------------------------------------
@@ -388,16 +388,18 @@ def test_report_renders_and_json_roundtrips(tmp_path: Path) -> None:
     fidelity = {"steps": 256, "fractions": [0.25, 0.5], "accounting": "exclusive", "docs_dir": "/d",
                 "runs": [run], "timings": [], "seconds": 3.0, "select_all_identical": True}
     meta = {"model": "m.gguf", "cli": ["opencoti-patch eval all"]}
-    data = ev.merge_results(tmp_path / "r.json", {"passkey": passkey, "fidelity": fidelity, "meta": meta})
-    md = ev.render_report(ev.default_template_dirs(), data)
+    data = gate_report.merge_results(tmp_path / "r.json",
+                                     {"passkey": passkey, "fidelity": fidelity, "meta": meta})
+    md = gate_report.render_report(gate_report.default_template_dirs(), data)
     assert "## Passkey retrieval" in md and "## Decode fidelity" in md and "**PASS**" in md
     assert "| 2048 | 1980–1984 | sparse-25% | 4 | 1024 (50%) |" in md
     assert "opencoti-patch eval all" in md
     assert "sparse-50%: ` a key`" in md and "dense: ` 0.\\n`" in md
     # a later gate run merges into the same JSON
-    data = ev.merge_results(tmp_path / "r.json", {"fidelity": {**fidelity, "steps": 300}})
+    data = gate_report.merge_results(tmp_path / "r.json", {"fidelity": {**fidelity, "steps": 300}})
     assert data["passkey"]["n_samples"] == 10 and data["fidelity"]["steps"] == 300
-    only_fid = ev.render_report(ev.default_template_dirs(), {"fidelity": fidelity, "meta": {}})
+    only_fid = gate_report.render_report(gate_report.default_template_dirs(),
+                                         {"fidelity": fidelity, "meta": {}})
     assert "## Passkey retrieval" not in only_fid
 
 
@@ -431,7 +433,7 @@ def _fake_exe(tmp_path: Path) -> Path:
 
 def test_run_passkey_with_a_stand_in_harness(tmp_path: Path) -> None:
     h = batch.Harness(exe=_fake_exe(tmp_path), model=tmp_path / "m.gguf", log_dir=tmp_path / "logs")
-    out = ev.run_passkey(h, seed=1, per_ctx={2048: 4}, fractions=[0.25, 0.5], accounting="exclusive",
+    out = ev.gate_passkey(h, seed=1, per_ctx={2048: 4}, fractions=[0.25, 0.5], accounting="exclusive",
                          show_progress=False, min_samples=2)
     assert out["n_samples"] == 4 and out["summary"]["gate"]["passed"]
     assert {o["config"]: o["correct"] for o in out["summary"]["overall"]} == {
@@ -440,7 +442,7 @@ def test_run_passkey_with_a_stand_in_harness(tmp_path: Path) -> None:
     per_step = out["select_nodes_per_step"]
     assert per_step["sparse-50%"] == [3.0] and per_step["dense"] == [0.0]
     assert any("--sparse-attn-topk 4" in c for c in h.commands)
-    json.dumps(ev._jsonable(out))
+    json.dumps(gate_report._jsonable(out))
 
 
 def test_finished_runs_are_cached_and_resumed(tmp_path: Path) -> None:

@@ -241,10 +241,10 @@ def test_eval_gate_results_merge_below_the_cli(tmp_path: Path) -> None:
     """The merging of gates run separately lives in lab/evaluate (the CLI only calls it)."""
     import json as _json
 
-    from opencoti_patch.lab import evaluate as ev
+    from opencoti_patch.lab import gate_report
 
-    ev.save_gate_results(tmp_path, "q", {"other": 1}, {"cli": ["a"], "harness_commands": ["x"]})
-    md, js = ev.save_gate_results(tmp_path, "q", {}, {"cli": ["b"], "harness_commands": ["y"]})
+    gate_report.save_gate_results(tmp_path, "q", {"other": 1}, {"cli": ["a"], "harness_commands": ["x"]})
+    md, js = gate_report.save_gate_results(tmp_path, "q", {}, {"cli": ["b"], "harness_commands": ["y"]})
     meta = _json.loads(js.read_text())["meta"]
     assert meta["cli"] == ["a", "b"] and meta["harness_commands"] == ["x", "y"]
     assert md.is_file() and _json.loads(js.read_text())["other"] == 1

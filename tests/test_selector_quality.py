@@ -255,7 +255,7 @@ def _cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str]
         seen.update(kw, offload=harness.offload, threads=harness.threads)
         return {"contexts": {}, "needles": [], "questions": []}
 
-    monkeypatch.setattr(needle, "run_passkey", fake_passkey)
+    monkeypatch.setattr(needle, "prose_passkey", fake_passkey)
     base = ["--build", str(tmp_path / "b"), "--model", str(tmp_path / "m.gguf"), "--prose",
             str(tmp_path / "docs"), "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path / "out")]
     return base, seen
@@ -333,8 +333,8 @@ def test_passkey_harness_context_has_headroom_for_a_long_prompt(tmp_path: Path,
     monkeypatch.setattr(needle, "chars_per_token", lambda *a, **k: 4.0)
     monkeypatch.setattr(batch.Harness, "run_variants", fake_run_variants)
     paras = [LONG.replace("This", f"Text {i}") * 40 for i in range(12)]
-    res = needle.run_passkey(batch.Harness(Path("harness"), Path("m.gguf")), paras, contexts={8192: 2},
-                             shares=[0.25], fixed_tokens=[], seed=1, log_dir=tmp_path, per_doc=1)
+    res = needle.prose_passkey(batch.Harness(Path("harness"), Path("m.gguf")), paras, contexts={8192: 2},
+                               shares=[0.25], fixed_tokens=[], seed=1, per_doc=1)
     assert seen == [8192 + needle.CTX_HEADROOM]
     assert res["contexts"]["8192"]["prompt_tokens"] == [8189, 8189]
 
@@ -534,8 +534,8 @@ def test_passkey_counts_lost_and_gained_answers_paired_with_dense(tmp_path: Path
 
     monkeypatch.setattr(needle, "chars_per_token", lambda *a, **k: 4.0)
     monkeypatch.setattr(batch.Harness, "run_variants", fake_run_variants)
-    res = needle.run_passkey(batch.Harness(Path("harness"), Path("m.gguf")), paras, contexts={8192: 4},
-                             shares=[0.25], fixed_tokens=[], seed=1, log_dir=tmp_path, per_doc=1)
+    res = needle.prose_passkey(batch.Harness(Path("harness"), Path("m.gguf")), paras, contexts={8192: 4},
+                               shares=[0.25], fixed_tokens=[], seed=1, per_doc=1)
     v = res["contexts"]["8192"]["variants"]
     assert (v["dense"]["correct"], v["dense"]["lost"], v["dense"]["gained"]) == (3, 0, 0)
     assert (v["sparse-25%"]["correct"], v["sparse-25%"]["lost"], v["sparse-25%"]["gained"]) == (2, 2, 1)

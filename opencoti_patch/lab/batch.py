@@ -244,6 +244,58 @@ def run_tasks(harness: Harness, tasks: Sequence[Task], jobs: int, title: str,
     return [out[i] for i in range(len(tasks))]
 
 
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """What one context decodes: ``requests`` at the harness context ``n_ctx`` under each of ``configs``
+    (dense first); ``label`` names its runs and logs."""
+
+    n_ctx: int
+    configs: tuple[AttnConfig, ...]
+    requests: tuple[dict[str, Any], ...]
+    label: str
+
+
+@dataclasses.dataclass
+class Decoded:
+    """Per group: config name -> request id -> result; the per-config runs (their timings; none when the
+    configs shared a prefill)."""
+
+    results: list[dict[str, dict[str, dict[str, Any]]]]
+    runs: list[RunResult]
+
+
+def decode(harness: Harness, groups: Sequence[Group], *, shared_prefill: bool, jobs: int = 1,
+           show_progress: bool = False, on_result: OnResult | None = None) -> Decoded:
+    """Every group's requests under each of its configs, the one way the lab decodes: with ``shared_prefill``
+    one process per group, each request prefilled once and decoded by every config
+    (:meth:`Harness.run_variants`, its log ``<label>.log``); else one process per group and config, ``jobs``
+    at once, the largest first (:func:`run_tasks`). Either way a request's ``dump`` is written as
+    ``<dump>.<config name>``."""
+    if shared_prefill:
+        results = []
+        with tempfile.TemporaryDirectory(prefix="opencoti-decode-") as tmp:
+            for g in groups:
+                log = (harness.log_dir or Path(tmp)) / f"{slug(g.label)}.log"
+                out = harness.run_variants(g.requests, g.n_ctx, g.configs, log, on_result)
+                by_cfg: dict[str, dict[str, dict[str, Any]]] = {c.name: {} for c in g.configs}
+                for r in out:
+                    by_cfg[r["variant"]][r["id"]] = r
+                results.append(by_cfg)
+        return Decoded(results, [])
+    tasks = [Task(g.n_ctx, cfg, tuple({**r, "dump": f"{r['dump']}.{cfg.name}"} if "dump" in r else r
+                                      for r in g.requests), f"{g.label} {cfg.name}")
+             for g in groups for cfg in g.configs]
+    title = f"{groups[0].label.split()[0] if groups else ''} ({len(tasks)} runs)"
+    runs = run_tasks(harness, tasks, jobs, title, show_progress)
+    results = [{} for _ in groups]
+    i = 0
+    for gi, g in enumerate(groups):
+        for cfg in g.configs:
+            results[gi][cfg.name] = {r["id"]: r for r in runs[i].results}
+            i += 1
+    return Decoded(results, runs)
+
+
 def clean_env() -> dict[str, str]:
     """The environment without llama.cpp's ``LLAMA_ARG_*`` mirrors: only the command line sets a run up."""
     return {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}

@@ -31,25 +31,18 @@ the default); the sink and recent blocks are always attended on top of them and 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import random
-import re
-import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from ..config import Settings, write_report
 from ..errors import CheckFailed, OpencotiError
-from ..stack.gitrun import run_git
 from ..verdict import Check, Verdict, verdict_of
-from .batch import Harness, Task, run_tasks, slug
-from .logits import compare_logits
+from .batch import Group, Harness
+from .fidelity import run_fidelity
+from .passkey import run_passkey
 from .variants import DENSE, budget_config, select_all_config, window_config
 
 # ----------------------------------------------------------------------------------------------------
@@ -122,33 +115,6 @@ def passkey_samples(seed: int, per_ctx: dict[int, int], fit: TokenFit,
             needle = -1 if fit.header is None else round(fit.header + n_before * fit.per_filler)
             out.append(PasskeySample(f"c{n_ctx}-{i:03d}", n_ctx, depth, key, n_filler, needle))
     return out
-
-
-def parse_samples_spec(text: str) -> dict[int, int]:
-    """``"2048:50,4096:32,8192:20"`` -> {2048: 50, 4096: 32, 8192: 20}."""
-    out: dict[int, int] = {}
-    for part in text.split(","):
-        if not part.strip():
-            continue
-        ctx, sep, count = part.partition(":")
-        try:
-            if not sep:
-                raise ValueError(part)
-            out[int(ctx)] = int(count)
-        except ValueError as exc:
-            raise OpencotiError(f"bad samples spec {part!r} (want CTX:COUNT,...)") from exc
-    if not out:
-        raise OpencotiError("no passkey contexts")
-    return out
-
-
-_NUMBER = re.compile(r"\d+")
-
-
-def parse_answer(text: str) -> str | None:
-    """The first run of digits of the generated text (" 12345. Remember" -> "12345"), or None."""
-    m = _NUMBER.search(text)
-    return m.group(0) if m else None
 
 
 def calibrate_tokens(harness: Harness, n_probe: int = 64) -> TokenFit:
@@ -312,35 +278,36 @@ def passkey_requests(group: Sequence[PasskeySample], n_generate: int,
                   **({"reuse_prefix": REUSE_ALIGN} if reuse else {})} for s in ordered)
 
 
-def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractions: Sequence[float],
-                accounting: str, n_generate: int = 8, jobs: int = 2, reuse: bool = True,
-                gate_fraction: float = 0.5, show_progress: bool = True,
-                min_samples: int = MIN_GATE_SAMPLES) -> dict[str, Any]:
+def gate_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractions: Sequence[float],
+                 accounting: str, n_generate: int = 8, jobs: int = 2, reuse: bool = True,
+                 gate_fraction: float = 0.5, show_progress: bool = True,
+                 min_samples: int = MIN_GATE_SAMPLES) -> dict[str, Any]:
+    """The passkey gate's run: seeded filler prompts per context decoded dense, at each budget and the window
+    of each budget, one process each (:func:`~.passkey.run_passkey`), and the gate over the answers."""
     t_start = time.monotonic()
     fit = calibrate_tokens(harness)
     samples = passkey_samples(seed, per_ctx, fit)
     contexts = list(per_ctx)
-    tasks = []
+    groups = []
     for n_ctx in contexts:
         reqs = passkey_requests([s for s in samples if s.n_ctx == n_ctx], n_generate, reuse)
         budgets = [budget_config(n_ctx, f, accounting=accounting) for f in fractions]
-        for cfg in [DENSE, *budgets, *(window_config(b, n_ctx) for b in budgets)]:
-            tasks.append(Task(n_ctx, cfg, reqs, f"passkey {n_ctx} {cfg.name}"))
-    runs = run_tasks(harness, tasks, jobs, f"passkey ({len(tasks)} runs)", show_progress)
+        groups.append(Group(n_ctx, (DENSE, *budgets, *(window_config(b, n_ctx) for b in budgets)), reqs,
+                            f"passkey {n_ctx}"))
+    per_group, decoded = run_passkey(harness, groups, n_generate=n_generate, shared_prefill=False, jobs=jobs,
+                                     show_progress=show_progress)
     answers: dict[str, dict[str, str | None]] = {"dense": {}}
     raw: dict[str, dict[str, dict[str, Any]]] = {"dense": {}}
     configs: dict[str, dict[str, Any]] = {"dense": {"sparse": False, "fraction": None, "by_ctx": {}}}
-    for run in runs:
-        cfg, n_ctx = run.cfg, run.n_ctx
-        entry = configs.setdefault(cfg.name, {"sparse": cfg.sparse, "fraction": cfg.fraction,
-                                              "window": cfg.window, "by_ctx": {}})
-        entry["by_ctx"][n_ctx] = cfg.describe(n_ctx)
-        for r in run.results:
-            if r["n_tokens"] + n_generate > n_ctx:
-                raise OpencotiError(f"sample {r['id']}: {r['n_tokens']} prompt tokens do not fit {n_ctx}")
-            answers.setdefault(cfg.name, {})[r["id"]] = parse_answer(r["text"])
-            raw.setdefault(cfg.name, {})[r["id"]] = {k: r.get(k) for k in ("n_tokens", "text", "select_nodes",
-                                                                             "decode_steps", "reused")}
+    for g, group_answers, by_cfg in zip(groups, per_group, decoded.results, strict=True):
+        for cfg in g.configs:
+            entry = configs.setdefault(cfg.name, {"sparse": cfg.sparse, "fraction": cfg.fraction,
+                                                  "window": cfg.window, "by_ctx": {}})
+            entry["by_ctx"][g.n_ctx] = cfg.describe(g.n_ctx)
+            answers.setdefault(cfg.name, {}).update(group_answers[cfg.name])
+            raw.setdefault(cfg.name, {}).update(
+                {rid: {k: r.get(k) for k in ("n_tokens", "text", "select_nodes", "decode_steps", "reused")}
+                 for rid, r in by_cfg[cfg.name].items()})
     n_tokens = {sid: int(r["n_tokens"]) for sid, r in raw["dense"].items()}
     summary = passkey_summary(samples, answers, configs, n_tokens, gate_fraction=gate_fraction,
                               min_samples=min_samples)
@@ -355,7 +322,7 @@ def run_passkey(harness: Harness, *, seed: int, per_ctx: dict[int, int], fractio
         "prompt_tokens": {n: {"min": v[0], "max": v[-1]} for n, v in prompt_tokens.items()},
         "frame": {"header": PASSKEY_HEADER, "filler": PASSKEY_FILLER, "needle": PASSKEY_NEEDLE,
                   "question": PASSKEY_QUESTION},
-        "configs": configs, "summary": summary, "timings": [r.timing() for r in runs],
+        "configs": configs, "summary": summary, "timings": [r.timing() for r in decoded.runs],
         "select_nodes_per_step": _select_per_step(raw), "seconds": time.monotonic() - t_start,
         "samples": [{**dataclasses.asdict(s), **{f"answer_{n}": answers[n].get(s.sid) for n in answers},
                      "n_tokens": raw["dense"][s.sid]["n_tokens"]} for s in samples],
@@ -388,41 +355,29 @@ def fidelity_text(docs_dir: Path, max_chars: int) -> tuple[str, list[str]]:
     return "\n\n".join(parts)[:max_chars], used
 
 
-def run_fidelity(harness: Harness, *, docs_dir: Path, contexts: Sequence[int], steps: int,
-                 fractions: Sequence[float], accounting: str, jobs: int = 2, work_dir: Path | None = None,
-                 window_baseline: bool = True, gate_fraction: float = 0.5,
-                 show_progress: bool = True, min_samples: int = MIN_GATE_SAMPLES) -> dict[str, Any]:
+def gate_fidelity(harness: Harness, *, docs_dir: Path, contexts: Sequence[int], steps: int,
+                  fractions: Sequence[float], accounting: str, jobs: int = 2, work_dir: Path | None = None,
+                  window_baseline: bool = True, gate_fraction: float = 0.5,
+                  show_progress: bool = True, min_samples: int = MIN_GATE_SAMPLES) -> dict[str, Any]:
+    """The fidelity gate's run: per context the docs text (:func:`fidelity_text`) decoded dense, at each
+    budget, the window of each budget and select-all, one process each (:func:`~.fidelity.run_fidelity`),
+    and the gate over the rows."""
     t_start = time.monotonic()
     runs: list[dict[str, Any]] = []
     timings: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="opencoti-fidelity-", dir=work_dir) as tmp:
-        for n_ctx in contexts:
-            n_prefill = n_ctx - steps - 64
-            if n_prefill < 256:
-                raise OpencotiError(f"context {n_ctx} too small for {steps} decode steps")
-            text, used = fidelity_text(docs_dir, max_chars=(n_ctx + 64) * 8)
-            budgets = [budget_config(n_ctx, f, accounting=accounting) for f in fractions]
-            windows = [window_config(b, n_ctx) for b in budgets] if window_baseline else []
-            cfgs = [DENSE, *budgets, *windows, select_all_config(n_ctx)]
-            dumps = {c.name: Path(tmp) / f"{n_ctx}-{slug(c.name.replace('%', 'pct'))}.f32" for c in cfgs}
-            tasks = [Task(n_ctx, c, ({"id": f"fidelity-{n_ctx}", "text": text, "n_prefill": n_prefill,
-                                      "n_forced": steps, "dump": str(dumps[c.name]),
-                                      "return_targets": True},), f"fidelity {n_ctx} {c.name}") for c in cfgs]
-            done = run_tasks(harness, tasks, jobs, f"fidelity {n_ctx} ({len(tasks)} runs)", show_progress)
-            timings += [r.timing() for r in done]
-            results = {r.cfg.name: r.results[0] for r in done}
-            dense = results["dense"]
-            if dense["n_tokens"] < n_prefill + steps + 1:
-                raise OpencotiError(f"the fidelity text has {dense['n_tokens']} tokens, "
-                                    f"need {n_prefill + steps + 1}")
-            n_vocab = int(dense["n_vocab"])
-            for cfg in cfgs[1:]:
-                m = compare_logits(dumps["dense"], dumps[cfg.name], n_vocab, dense.get("targets"))
-                runs.append({"n_ctx": n_ctx, "n_prefill": n_prefill, "config": cfg.name, **m,
-                             "select_nodes_per_step": results[cfg.name]["select_nodes"] / steps,
-                             "cfg": cfg.describe(n_ctx), "docs": used})
-            for d in dumps.values():
-                d.unlink(missing_ok=True)
+    for n_ctx in contexts:
+        text, used = fidelity_text(docs_dir, max_chars=(n_ctx + 64) * 8)
+        budgets = [budget_config(n_ctx, f, accounting=accounting) for f in fractions]
+        windows = [window_config(b, n_ctx) for b in budgets] if window_baseline else []
+        cfgs = [DENSE, *budgets, *windows, select_all_config(n_ctx)]
+        rows, decoded = run_fidelity(harness, n_ctx, cfgs, [(f"fidelity-{n_ctx}", text)], steps=steps,
+                                     margin=64, shared_prefill=False, jobs=jobs, show_progress=show_progress,
+                                     work_dir=work_dir)
+        timings += [r.timing() for r in decoded.runs]
+        for row in rows:
+            cfg = row.pop("cfg")
+            del row["text"]
+            runs.append({"n_ctx": n_ctx, "config": cfg.name, **row, "cfg": cfg.describe(n_ctx), "docs": used})
     bad = [r for r in runs if r["config"] == "select-all" and not r["identical"]]
     return {"steps": steps, "fractions": list(fractions), "accounting": accounting, "docs_dir": str(docs_dir),
             "min_samples": min_samples,
@@ -552,100 +507,3 @@ def check_select_all(fid: dict[str, Any]) -> None:
     c = select_all_check(fid)
     if c.passed is not True:
         raise CheckFailed(c.summary)
-
-
-# ----------------------------------------------------------------------------------------------------
-# report
-# ----------------------------------------------------------------------------------------------------
-
-
-def merge_results(path: Path, update: dict[str, Any]) -> dict[str, Any]:
-    """Load ``path`` (JSON) if present, overwrite the keys of ``update``, write it back (sorted keys)."""
-    data: dict[str, Any] = {}
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            data = {}
-    data.update(update)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_report(path, json.dumps(_jsonable(data), indent=1, sort_keys=True) + "\n")
-    return json.loads(path.read_text())
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    return x
-
-
-def save_gate_results(out_dir: Path, name: str, update: dict[str, Any],
-                      meta: dict[str, Any] | None) -> tuple[Path, Path]:
-    """Merge the gates of ``update`` (and ``meta``) into ``<out-dir>/<name>.json``, render its .md.
-
-    Gates run separately merge: the commands of the gates run before are kept in ``meta``.
-    ``meta`` None: only re-render (after a template change). Returns (md, json) paths.
-    """
-    json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
-    if meta is not None:
-        old = merge_results(json_path, {}) if json_path.is_file() else {}
-        if "meta" in old:  # keep the commands of the gates run before
-            meta["cli"] = sorted(set(old["meta"].get("cli", [])) | set(meta.get("cli", [])))
-            before = old["meta"].get("harness_commands", [])
-            meta["harness_commands"] = list(dict.fromkeys(before + meta.get("harness_commands", [])))
-        update = {**update, "meta": meta}
-    data = merge_results(json_path, update)
-    fid = data.get("fidelity")
-    if fid and "gate" not in fid:  # recorded before the gate existed: apply it to the recorded runs
-        fid["gate"] = fidelity_gate(fid["runs"], min_samples=int(fid.get("min_samples", MIN_GATE_SAMPLES)))
-    write_report(md_path, render_report(default_template_dirs(), data))
-    return md_path, json_path
-
-
-def render_report(template_dirs: Iterable[Path], data: dict[str, Any]) -> str:
-    from ..report import render  # noqa: PLC0415 (click-free callers of the math need not import jinja2)
-
-    return render(list(template_dirs), "quality.md.j2", **data_for_template(data))
-
-
-def data_for_template(data: dict[str, Any]) -> dict[str, Any]:
-    return {"meta": data.get("meta", {}), "passkey": data.get("passkey"), "fidelity": data.get("fidelity")}
-
-
-def default_template_dirs() -> list[Path]:
-    """The project's template override, then the shipped templates (``Settings.templates_dirs``)."""
-    return Settings.resolve().templates_dirs
-
-
-def build_meta(build_dir: Path) -> dict[str, Any]:
-    """A few CMake cache facts of the llama.cpp build the harness ran on (speed depends on them)."""
-    cache = build_dir / "CMakeCache.txt"
-    if not cache.is_file():
-        return {}
-    keys = ("CMAKE_BUILD_TYPE", "GGML_NATIVE", "GGML_CUDA", "BUILD_SHARED_LIBS")
-    found = {}
-    for line in cache.read_text(errors="replace").splitlines():
-        name, _, value = line.partition("=")
-        name = name.split(":")[0]
-        if name in keys:
-            found[name] = value
-    note = ", ".join(f"{k}={found[k]}" for k in keys if k in found)
-    return {"build_dir": str(build_dir), "build_cache": found,
-            "build_note": f"llama.cpp build `{build_dir}` ({note})."}
-
-
-def environment_meta(model: Path, harness: Harness, tree: Path | None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"model": model.name, "model_path": str(model), "threads": harness.threads,
-                            "harness": str(harness.exe), "cpu_count": os.cpu_count(),
-                            "date": time.strftime("%Y-%m-%d %H:%M %Z")}
-    if tree is not None and (tree / ".git").exists():
-        def git(*args: str) -> str:
-            return run_git(tree, *args).text.strip()
-        meta["tree"] = str(tree)
-        meta["tree_head"] = git("rev-parse", "--short", "HEAD")
-        meta["tree_dirty_files"] = len([ln for ln in git("status", "--porcelain").splitlines() if ln])
-    return meta

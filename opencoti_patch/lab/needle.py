@@ -1,9 +1,10 @@
 """Quality of the block selection on real prose: passkey retrieval and decode fidelity, sparse vs dense.
 
-Both run ``opencoti-harness-batch --variants``: each request is prefilled once (dense, as ``--sparse-attn on``
-does for prompts), then its sequence state is copied into one context per attention variant (dense, sparse at
-each budget, the equal-size window), and each decodes. So all variants see the same prompt, the same prefill
-and the same samples, and N variants cost one prefill.
+Both run through the lab's one passkey and one fidelity run (:mod:`.passkey`, :mod:`.fidelity`), with a
+shared prefill (``opencoti-harness-batch --variants``): each request is prefilled once (dense, as
+``--sparse-attn on`` does for prompts), then its sequence state is copied into one context per attention
+variant (dense, sparse at each budget, the equal-size window), and each decodes. So all variants see the same
+prompt, the same prefill and the same samples, and N variants cost one prefill.
 
 - **passkey**: a 5-digit key in a needle sentence (several wordings) inside real prose paragraphs
   (:mod:`opencoti_patch.lab.prose`),
@@ -27,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OpencotiError
-from .batch import Harness
-from .evaluate import parse_answer
-from .logits import compare_logits
+from .batch import Group, Harness
+from .fidelity import run_fidelity
+from .passkey import run_passkey
 from .prose import take_text
 from .variants import BLOCK, DENSE, RECENT, SINK, variants_for
 
@@ -101,10 +102,12 @@ class _Progress:
             self.report(f"{self.label}: {self.lines // self.n_variants}/{self.n_samples} samples")
 
 
-def chars_per_token(harness: Harness, paragraphs: list[str], log: Path) -> float:
+def chars_per_token(harness: Harness, paragraphs: list[str]) -> float:
     """Characters per token of the model's tokenizer on the corpus (its first 40K characters)."""
     text = take_text(paragraphs, 0, 40_000)
-    res = harness.run_variants([{"id": "fit", "text": text, "tokenize_only": True}], 16384, [DENSE], log)
+    with tempfile.TemporaryDirectory(prefix="opencoti-fit-") as tmp:
+        log = (harness.log_dir or Path(tmp)) / "fit.log"
+        res = harness.run_variants([{"id": "fit", "text": text, "tokenize_only": True}], 16384, [DENSE], log)
     return len(text) / int(res[0]["n_tokens"])
 
 
@@ -121,15 +124,16 @@ def harness_ctx(n_ctx: int, n_generate: int) -> int:
     return n_ctx + CTX_HEADROOM
 
 
-def run_passkey(harness: Harness, paragraphs: list[str], *, contexts: dict[int, int], shares: Sequence[float],
-                fixed_tokens: Sequence[int], seed: int, log_dir: Path, n_generate: int = 8,
-                progress: Callable[[str], None] | None = None, per_doc: int = PER_DOC,
-                blocks: Sequence[int] = (BLOCK,), scores: Sequence[str] = ("max",)) -> dict[str, Any]:
+def prose_passkey(harness: Harness, paragraphs: list[str], *, contexts: dict[int, int],
+                  shares: Sequence[float], fixed_tokens: Sequence[int], seed: int, n_generate: int = 8,
+                  progress: Callable[[str], None] | None = None, per_doc: int = PER_DOC,
+                  blocks: Sequence[int] = (BLOCK,), scores: Sequence[str] = ("max",)) -> dict[str, Any]:
     """Passkey prompts in real prose per context (``contexts``: context -> prompts), every variant of
-    :func:`~opencoti_patch.lab.variants.variants_for` on the same prompts (one dense prefill each): correct
-    answers, answers lost and gained against dense, the change per 100 prompts and its interval."""
+    :func:`~opencoti_patch.lab.variants.variants_for` on the same prompts, one dense prefill each
+    (:func:`~.passkey.run_passkey`): correct answers, answers lost and gained against dense, the change per
+    100 prompts and its interval."""
     t0 = time.monotonic()
-    cpt = chars_per_token(harness, paragraphs, log_dir / "fit.log")
+    cpt = chars_per_token(harness, paragraphs)
     by_ctx: dict[str, Any] = {}
     for n_ctx, count in contexts.items():
         variants = variants_for(n_ctx, shares, fixed_tokens, blocks=blocks, scores=scores)
@@ -137,23 +141,20 @@ def run_passkey(harness: Harness, paragraphs: list[str], *, contexts: dict[int, 
         filler_chars = int((n_ctx - 160 - n_generate) * cpt * 0.96)
         # deepest needle first within a filler: a prompt shares its text up to its needle with the one before
         ordered = sorted(samples, key=lambda s: (s.doc, -s.depth))
-        reqs = [{"id": s.sid, "text": s.prompt(paragraphs, filler_chars), "n_generate": n_generate,
-                 "reuse_prefix": BLOCK} for s in ordered]
+        reqs = tuple({"id": s.sid, "text": s.prompt(paragraphs, filler_chars), "n_generate": n_generate,
+                      "reuse_prefix": BLOCK} for s in ordered)
         tick = _Progress(progress, f"passkey {n_ctx}", len(reqs), len(variants))
         t_ctx = time.monotonic()
-        n_ctx_kv = harness_ctx(n_ctx, n_generate)
-        res = harness.run_variants(reqs, n_ctx_kv, variants, log_dir / f"passkey-{n_ctx}.log", on_result=tick)
+        group = Group(harness_ctx(n_ctx, n_generate), tuple(variants), reqs, f"passkey-{n_ctx}")
+        (answers,), decoded = run_passkey(harness, [group], n_generate=n_generate, shared_prefill=True,
+                                          on_result=tick)
+        by_cfg = decoded.results[0]
         keys = {s.sid: s for s in samples}
-        per: dict[str, dict[str, Any]] = {v.name: {"correct": 0, "answers": {}, "ms_decode": 0.0}
-                                          for v in variants}
-        for r in res:
-            s = keys[r["id"]]
-            per[r["variant"]]["ms_decode"] += float(r["ms_decode"])
-            if r["n_tokens"] + n_generate > n_ctx_kv:
-                raise OpencotiError(f"{s.sid}: {r['n_tokens']} prompt tokens do not fit {n_ctx_kv}")
-            ans = parse_answer(r["text"])
-            per[r["variant"]]["answers"][s.sid] = ans
-            per[r["variant"]]["correct"] += ans == s.key
+        per: dict[str, dict[str, Any]] = {
+            v.name: {"correct": sum(a == keys[sid].key for sid, a in answers[v.name].items()),
+                     "answers": answers[v.name],
+                     "ms_decode": sum(float(r["ms_decode"]) for r in by_cfg[v.name].values())}
+            for v in variants}
         dense = per["dense"]["answers"]
         dense_right = {sid for sid, a in dense.items() if a == keys[sid].key}
         for v in variants:
@@ -168,12 +169,13 @@ def run_passkey(harness: Harness, paragraphs: list[str], *, contexts: dict[int, 
                            "dense": dense[sid]}
                           for sid, a in sorted(p["answers"].items()) if a != keys[sid].key]
             del p["answers"]
-        n_tokens = [int(r["n_tokens"]) for r in res]
+        dense_runs = list(by_cfg["dense"].values())
+        n_tokens = [int(r["n_tokens"]) for by_id in by_cfg.values() for r in by_id.values()]
         by_ctx[str(n_ctx)] = {"samples": count, "variants": per,
                               "prompt_tokens": [min(n_tokens), max(n_tokens)],
-                              "ms_prefill": sum(r["ms_prefill"] for r in res if r["variant"] == "dense"),
-                              "prefill_tokens": sum(int(r["n_prefill"]) - int(r["reused"]) for r in res
-                                                    if r["variant"] == "dense"),
+                              "ms_prefill": sum(r["ms_prefill"] for r in dense_runs),
+                              "prefill_tokens": sum(int(r["n_prefill"]) - int(r["reused"])
+                                                    for r in dense_runs),
                               "seconds": time.monotonic() - t_ctx}
     out = {"kind": "passkey", "seed": seed, "shares": list(shares), "fixed_tokens": list(fixed_tokens),
            "per_doc": per_doc,
@@ -231,30 +233,24 @@ def reorder_variants(passkey: dict[str, Any], blocks: Sequence[int], scores: Seq
             {n: v for n, v in have.items() if n not in made}
 
 
-def run_fidelity(harness: Harness, paragraphs: list[str], *, contexts: Sequence[int], shares: Sequence[float],
-                 fixed_tokens: Sequence[int], steps: int, seed: int, log_dir: Path, samples: int = 1,
-                 blocks: Sequence[int] = (BLOCK,), scores: Sequence[str] = ("max",)) -> dict[str, Any]:
-    """Teacher-forced decode over ``samples`` prose texts per context, every variant from one dense prefill:
-    KL(dense || variant), top-1 agreement and NLL per variant."""
+def prose_fidelity(harness: Harness, paragraphs: list[str], *, contexts: Sequence[int],
+                   shares: Sequence[float], fixed_tokens: Sequence[int], steps: int, seed: int,
+                   samples: int = 1, blocks: Sequence[int] = (BLOCK,),
+                   scores: Sequence[str] = ("max",)) -> dict[str, Any]:
+    """Teacher-forced decode over ``samples`` prose texts per context, every variant from one dense prefill
+    (:func:`~.fidelity.run_fidelity`): KL(dense || variant), top-1 agreement and NLL per variant."""
     t0 = time.monotonic()
-    cpt = chars_per_token(harness, paragraphs, log_dir / "fit.log")
+    cpt = chars_per_token(harness, paragraphs)
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="opencoti-fidelity-") as tmp:
-        for n_ctx in contexts:
-            variants = variants_for(n_ctx, shares, fixed_tokens, blocks=blocks, scores=scores)
-            n_prefill = n_ctx - steps - 16
-            reqs = [{"id": f"f{n_ctx}-{i}", "text": take_text(paragraphs, rng.randrange(len(paragraphs)),
-                                                              int(n_ctx * cpt * 1.1)),
-                     "n_prefill": n_prefill, "n_forced": steps, "dump": str(Path(tmp) / f"f{n_ctx}-{i}.f32"),
-                     "return_targets": True} for i in range(samples)]
-            res = harness.run_variants(reqs, n_ctx, variants, log_dir / f"fidelity-{n_ctx}.log")
-            for req in reqs:
-                dense = next(r for r in res if r["id"] == req["id"] and r["variant"] == "dense")
-                for v in variants[1:]:
-                    m = compare_logits(Path(req["dump"] + ".dense"), Path(req["dump"] + "." + v.name),
-                                       int(dense["n_vocab"]), dense.get("targets"))
-                    rows.append({"n_ctx": n_ctx, "sample": req["id"], "variant": v.name,
-                                 "attended_tokens": v.attended_tokens(n_ctx), **m})
+    for n_ctx in contexts:
+        variants = variants_for(n_ctx, shares, fixed_tokens, blocks=blocks, scores=scores)
+        texts = [(f"f{n_ctx}-{i}", take_text(paragraphs, rng.randrange(len(paragraphs)),
+                                             int(n_ctx * cpt * 1.1))) for i in range(samples)]
+        found, _ = run_fidelity(harness, n_ctx, variants, texts, steps=steps, margin=16, shared_prefill=True)
+        for row in found:
+            v = row.pop("cfg")
+            rows.append({"n_ctx": n_ctx, "sample": row.pop("text"), "variant": v.name,
+                         "attended_tokens": v.attended_tokens(n_ctx), **row})
     return {"kind": "fidelity", "steps": steps, "shares": list(shares), "fixed_tokens": list(fixed_tokens),
             "rows": rows, "seconds": time.monotonic() - t0}

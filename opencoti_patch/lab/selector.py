@@ -82,7 +82,7 @@ class Workspace:
         ``--swa-full``: Gemma 3 is iSWA, and a full-size SWA cache lets a prompt keep the common prefix of the
         one before)."""
         return Harness(self.exe(BATCH_EXE), self.model, threads=threads, extra=("--swa-full",),
-                       offload=self.offload)
+                       offload=self.offload, log_dir=self.work / "logs")
 
     def qk_dump(self, base: Path, text: str, args: list[str], what: str) -> Path:
         """The Q/K dump of one dense prefill of ``text`` (opencoti-qk-dump ``args``, e.g. the layers): the

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,8 +13,10 @@ from ...config import Settings
 from ...errors import OpencotiError
 from ...report import info
 from .. import evaluate as ev
+from .. import gate_report as report
 from ..batch import Harness, build_harness_for
 from ..model import find_model
+from ..passkey import parse_samples_spec
 
 
 def _shared(f: Any) -> Any:
@@ -119,24 +119,19 @@ def _run(gates: list[str], o: dict[str, Any]) -> None:
     update: dict[str, Any] = {}
     t0 = time.monotonic()
     if "passkey" in gates:
-        update["passkey"] = ev.run_passkey(
-            harness, seed=o["seed"], per_ctx=ev.parse_samples_spec(o["samples"]), fractions=fractions,
+        update["passkey"] = ev.gate_passkey(
+            harness, seed=o["seed"], per_ctx=parse_samples_spec(o["samples"]), fractions=fractions,
             accounting=o["accounting"], n_generate=o["n_generate"], jobs=o["jobs"],
             reuse=not o["no_reuse_prefix"], show_progress=progress, min_samples=o["min_samples"])
         info(f"passkey: {update['passkey']['seconds']:.0f} s")
     if "fidelity" in gates:
-        update["fidelity"] = ev.run_fidelity(
+        update["fidelity"] = ev.gate_fidelity(
             harness, docs_dir=o["docs_dir"], contexts=int_list(o["fidelity_contexts"]), steps=o["steps"],
             fractions=fractions, accounting=o["accounting"], jobs=o["jobs"],
             window_baseline=o["window_baseline"], show_progress=progress, min_samples=o["min_samples"])
         info(f"fidelity: {update['fidelity']['seconds']:.0f} s")
-    meta = ev.environment_meta(harness.model, harness, o["llama_src"])
-    meta["cli"] = ["opencoti-patch " + " ".join(shlex.quote(a) for a in sys.argv[1:])]
-    meta["harness_commands"] = harness.commands
-    meta["jobs"] = o["jobs"]
-    meta |= ev.build_meta(o["build_dir"])
-    meta["seconds"] = time.monotonic() - t0
-    md_path, json_path = ev.save_gate_results(o["out_dir"], o["name"], update, meta)
+    meta = report.run_meta(harness, o["llama_src"], o["build_dir"], o["jobs"], time.monotonic() - t0)
+    md_path, json_path = report.save_gate_results(o["out_dir"], o["name"], update, meta)
     info(f"wrote {md_path} and {json_path}")
     _print_summary(update)
     ev.check_gates(update)
@@ -196,7 +191,7 @@ def report_cmd(settings: Settings, out_dir: Path | None, name: str) -> None:
     json_path = out_dir / f"{name}.json"
     if not json_path.is_file():
         raise OpencotiError(f"no {json_path}")
-    md_path, _ = ev.save_gate_results(out_dir, name, {}, None)
+    md_path, _ = report.save_gate_results(out_dir, name, {}, None)
     info(f"wrote {md_path}")
 
 

@@ -23,7 +23,7 @@ from ...errors import CheckFailed, OpencotiError
 from ...report import info
 from .. import needle, prose, recall, selector
 from ..batch import Offload
-from ..evaluate import parse_samples_spec
+from ..passkey import parse_samples_spec
 from ..runinfo import command_line
 from ..serving import passkey as served
 from ..serving.http import default_transport
@@ -260,10 +260,9 @@ def passkey_command(build_dir: Path, llama_src: Path | None, model: Path | None,
                     per_doc: int, blocks: list[int], scores: list[str]) -> None:
     """Passkey retrieval in real prose, dense and sparse (each budget) and the window, same samples."""
     ws = _workspace(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
-    res = needle.run_passkey(ws.harness(threads), ws.paragraphs, contexts=_pairs(samples),
-                             shares=fraction_list(shares), fixed_tokens=int_list(fixed), seed=seed,
-                             log_dir=ws.work / "logs", progress=info, per_doc=per_doc, blocks=blocks,
-                             scores=scores)
+    res = needle.prose_passkey(ws.harness(threads), ws.paragraphs, contexts=_pairs(samples),
+                               shares=fraction_list(shares), fixed_tokens=int_list(fixed), seed=seed,
+                               progress=info, per_doc=per_doc, blocks=blocks, scores=scores)
     _save(out_dir, name, "passkey", {"command": command_line(), "n_generate": 8, **res},
           ws.meta() | {"blocks": blocks, "scores": scores})
 
@@ -285,10 +284,9 @@ def fidelity_command(build_dir: Path, llama_src: Path | None, model: Path | None
                      scores: list[str]) -> None:
     """KL(dense || sparse) and top-1 agreement over teacher-forced decode steps of real prose."""
     ws = _workspace(build_dir, llama_src, model, prose_dirs, work_dir, ngl, harness_args)
-    res = needle.run_fidelity(ws.harness(threads), ws.paragraphs, contexts=int_list(contexts),
-                              shares=fraction_list(shares), fixed_tokens=int_list(fixed), steps=steps,
-                              seed=seed, log_dir=ws.work / "logs", samples=n_texts, blocks=blocks,
-                              scores=scores)
+    res = needle.prose_fidelity(ws.harness(threads), ws.paragraphs, contexts=int_list(contexts),
+                                shares=fraction_list(shares), fixed_tokens=int_list(fixed), steps=steps,
+                                seed=seed, samples=n_texts, blocks=blocks, scores=scores)
     _save(out_dir, name, "fidelity", {"command": command_line(), **res},
           ws.meta() | {"blocks": blocks, "scores": scores})
 

@@ -37,8 +37,8 @@ from ...config import Settings, write_report
 from ...errors import OpencotiError
 from ...report import render
 from ...verdict import Check, verdict_of
-from ..evaluate import parse_answer
 from ..needle import Sample, make_samples
+from ..passkey import parse_answer
 from ..prose import take_text
 from ..variants import BLOCK, sparse_variant
 from .http import Transport
