@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -30,7 +29,7 @@ from ..stack.status import stale_against_series
 from ..stack.tree import Tree, tree_lock
 from ..verify.check import CHECK_CMAKE, check_series
 from ..verify.identical import VerifyConfig, raise_on_failure, verify_identical
-from .options import common_options, emit
+from .options import common_options, emit, option_group
 
 
 def _targets(values: tuple[str, ...], default: tuple[str, ...]) -> tuple[str, ...]:
@@ -49,25 +48,22 @@ def _cuda(flag: bool | None) -> bool:
     return bool(shutil.which("nvcc")) and have_gpu()
 
 
-def build_options(f: Any) -> Any:
-    for opt in reversed([
-        click.option("--cuda/--no-cuda", "cuda", default=None,
-                     help="Build the CUDA backend (default: when nvcc is present and a GPU is visible)."),
-        click.option("--cuda-arch", default="90-real", show_default=True,
-                     help="CMAKE_CUDA_ARCHITECTURES ('90' also embeds PTX, which nvcc 13.0 does not "
-                          "always reproduce byte for byte)."),
-        click.option("--cpu-variant", type=click.Choice(CPU_VARIANT_CHOICES), default=DEFAULT_CPU_VARIANT,
-                     show_default=True,
-                     help="CPU baseline (ggml variant names); 'all' = GGML_CPU_ALL_VARIANTS, 'native' is "
-                          "not reproducible across machines."),
-        click.option("--no-ccache", is_flag=True, help="Do not use ccache."),
-        click.option("-j", "--jobs", type=int, default=None, help="ninja -j (default: ninja's choice)."),
-        click.option("--cmake-arg", "cmake_args", multiple=True, metavar="-DX=Y",
-                     help="Extra CMake argument (repeatable)."),
-        click.option("--no-progress", is_flag=True, help="No progress bar (the build log is kept anyway)."),
-    ]):
-        f = opt(f)
-    return f
+build_options = option_group(
+    click.option("--cuda/--no-cuda", "cuda", default=None,
+                 help="Build the CUDA backend (default: when nvcc is present and a GPU is visible)."),
+    click.option("--cuda-arch", default="90-real", show_default=True,
+                 help="CMAKE_CUDA_ARCHITECTURES ('90' also embeds PTX, which nvcc 13.0 does not "
+                      "always reproduce byte for byte)."),
+    click.option("--cpu-variant", type=click.Choice(CPU_VARIANT_CHOICES), default=DEFAULT_CPU_VARIANT,
+                 show_default=True,
+                 help="CPU baseline (ggml variant names); 'all' = GGML_CPU_ALL_VARIANTS, 'native' is "
+                      "not reproducible across machines."),
+    click.option("--no-ccache", is_flag=True, help="Do not use ccache."),
+    click.option("-j", "--jobs", type=int, default=None, help="ninja -j (default: ninja's choice)."),
+    click.option("--cmake-arg", "cmake_args", multiple=True, metavar="-DX=Y",
+                 help="Extra CMake argument (repeatable)."),
+    click.option("--no-progress", is_flag=True, help="No progress bar (the build log is kept anyway)."),
+)
 
 
 @click.command("rebuild")

