@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..builds.builder import export_tree
+from ..config import write_report
 
 # Folders of the pinned tree that a CUDA build of the tools does not need (NOTES: 176 MB -> 11 MB).
 SLIM_EXCLUDE = ("models", "docs", "benches", "media", "examples", ".git", "tools/ui/node_modules")
@@ -318,6 +319,16 @@ def parse_longctx(path: Path, run: str = "") -> BenchRow | None:
     return BenchRow(model=SYNTH_MODEL, kv=m["kv"], depth=int(m["depth"]), sparse=sparse,
                     topk=int(m["topk"]) if sparse else 0, block=int(m["block"]) if sparse else 128,
                     tps=tps, tps_sd=0.0, run=run, score=m["score"] or "max")
+
+
+def write_reports(rows: list[BenchRow], out_dir: Path, name: str) -> list[Path]:
+    """``<name>.json`` (the ratios), ``<name>-table.md`` and, where matplotlib is installed, ``<name>.png``
+    in ``out_dir``; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_report(out_dir / f"{name}.json", json.dumps(ratios(rows), indent=1) + "\n")
+    write_report(out_dir / f"{name}-table.md", markdown_table(rows))
+    png = plot(rows, out_dir / f"{name}.png")
+    return [out_dir / f"{name}.json", out_dir / f"{name}-table.md"] + ([png] if png else [])
 
 
 def load_results(results: Path) -> list[BenchRow]:

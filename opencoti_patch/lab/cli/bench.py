@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from ...cli.options import common_options
-from ...config import Settings, write_report
+from ...config import Settings
 from ...errors import OpencotiError
 from ...stack.series import series_digest
 from .. import bench
@@ -58,16 +57,11 @@ def pack_command(settings: Settings, out: Path, rev: str | None) -> None:
 @common_options
 def report_command(settings: Settings, results: Path, out_dir: Path | None, name: str) -> None:
     """Turn llama-bench JSON (a results.tgz from ci/device/h200.sh, or a folder) into a report."""
-    out_dir = out_dir or settings.results_dir
     rows = bench.load_results(results)
     if not rows:
         raise OpencotiError(f"no llama-bench results in {results}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_report(out_dir / f"{name}.json", json.dumps(bench.ratios(rows), indent=1) + "\n")
-    write_report(out_dir / f"{name}-table.md", bench.markdown_table(rows))
-    png = bench.plot(rows, out_dir / f"{name}.png")
+    written = bench.write_reports(rows, out_dir or settings.results_dir, name)
     click.echo(bench.markdown_table(rows))
-    written = [out_dir / f"{name}.json", out_dir / f"{name}-table.md"] + ([png] if png else [])
     click.echo("wrote " + ", ".join(str(p) for p in written))
 
 
