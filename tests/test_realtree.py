@@ -21,7 +21,7 @@ from prereq import unavailable
 from stackutil import Project
 
 from opencoti_patch.markers.audit import audit
-from opencoti_patch.stack.series import Patch, load_series, parse_patch
+from opencoti_patch.stack.series import Patch, diff_patch, load_series, split_patch
 
 pytestmark = pytest.mark.realtree
 
@@ -135,7 +135,9 @@ def test_real_device_candidates_apply_over_the_series(prepared: Project, tmp_pat
     real = sorted((REPO / "ci" / "device" / "candidates").glob("*.patch"))
     candidates = [made, *real]
     tree = tmp_path / "tree"
-    _copy_touched(prepared.tree, [*series, *(parse_patch(c) for c in candidates)], tree)
+    # a candidate is a `git diff` (a header, if any, is ignored)
+    touched = [diff_patch(split_patch(c.read_bytes())[1], c.name) for c in candidates]
+    _copy_touched(prepared.tree, [*series, *touched], tree)
     assert _apply_candidates(candidates, tree) == []
     assert "a candidate made by the test" in (tree / added[0]).read_text()
     # the same candidate is refused where its context is not the series': pristine (the file does not
