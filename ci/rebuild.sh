@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The rebuild pipeline of the fork, stage by stage; .github workflow (ci/github/rebuild.yml) runs the
+# The rebuild pipeline of the fork, stage by stage; the GitHub workflow (.github/workflows/rebuild.yml) runs the
 # same stages. Run it on every upstream bump or patch change:
 #
 #   ci/rebuild.sh [--cuda] [STAGE ...]        (no STAGE: all of them, in order)

@@ -2,7 +2,7 @@
 
 Cheap by construction: only ggml + libllama are built (the harness then uses its own small parser),
 one pristine build is shared by every test (session fixture; set OPENCOTI_BUILD_TEST_ROOT to keep it
-across sessions), the patched trees differ from it in one file, and ccache is on.
+across test runs), the patched trees differ from it in one file, and ccache is on.
 
 The pristine source: $OPENCOTI_PRISTINE (a folder), else tag `upstream` of $OPENCOTI_TREE
 (default: the project's work/llama.cpp), else the pristine tree ci/test.sh fetches. With
@@ -362,7 +362,7 @@ def single_harness(selfcheck: b.BuildResult, tmp_path_factory: pytest.TempPathFa
 
 @needs_source
 def test_rpc_split_layout_on_cpu(selfcheck: b.BuildResult, single_harness: Path, tmp_path: Path) -> None:
-    """Issue 15 on one CPU machine: the last layers on a ggml-rpc-server on loopback (its CPU backend), the
+    """Two devices on one CPU: the last layers on a ggml-rpc-server on loopback (its CPU backend), the
     others local. Select-all is bitwise dense in that layout, sparse decode equals sparse on one device, the
     selection runs, each sparse layer's key sums sit on its K's device, no extra graph split."""
     model = synth_gguf.write_llama_gguf(tmp_path / "tiny.gguf", synth_gguf.SHAPES["tiny"], "f16",

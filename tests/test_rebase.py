@@ -1,4 +1,4 @@
-"""The rebase's rough edges of issue 13, on tiny synthetic upstreams (fast, offline): abortable until
+"""The rebase's rough edges, on tiny synthetic upstreams (fast, offline): abortable until
 `snapshot` rewrote patches/, `status` advising the rebase (not a snapshot) during a conflict, skipped
 patches set aside (not deleted), and upstream.toml's default following the rewritten patches."""
 

@@ -239,7 +239,7 @@ def _default_pristine_rev(settings: Settings) -> str:
 @click.option("--check", is_flag=True, help="Write nothing; exit 4 when the file is not up to date.")
 @common_options
 def ci_workflow_cmd(settings: Settings, out: Path | None, cuda_arch: str, check: bool) -> None:
-    """Render templates/github-workflow.yml.j2 into ci/github/rebuild.yml (CPU job + CUDA job)."""
+    """Render templates/github-workflow.yml.j2 into .github/workflows/rebuild.yml (CPU job + CUDA job)."""
     path = out or settings.root / WORKFLOW_OUT
     changed = write_workflow(path, settings.templates_dirs, cuda_arch=cuda_arch, check=check)
     click.echo(f"{path}: {'written' if changed else 'up to date'}")
@@ -270,6 +270,8 @@ def check_cmd(ctx: click.Context, settings: Settings, targets: tuple[str, ...], 
     tree = Tree(settings)
     tree.require()
     patches = load_series(settings.patches_dir)
+    if not patches:
+        raise OpencotiError(f"nothing to check: {settings.series_file} lists no patch")
     opts = BuildOptions(targets=_targets(targets, LIB_TARGETS[:4]), optional_targets=(), cuda=bool(cuda),
                         cuda_arch=cuda_arch, cpu_variant=cpu_variant, ccache=not no_ccache, jobs=jobs,
                         extra_cmake=(*CHECK_CMAKE, *cmake_args))

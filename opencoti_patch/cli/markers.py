@@ -34,9 +34,11 @@ def _load(settings: Settings, diff_file: Path | None, feature: str | None) -> li
             stdin = str(diff_file) == "-"
             data = sys.stdin.buffer.read() if stdin else diff_file.read_bytes()
             return [diff_patch(data, "stdin" if stdin else diff_file.name, feature)]
-        if not settings.series_file.is_file():
-            raise OpencotiError(f"{settings.series_file}: no series file")
-        return load_series(settings.patches_dir)
+        patches = load_series(settings.patches_dir)
+        if not patches:
+            raise OpencotiError(f"{settings.series_file} lists no patch: nothing to audit (--diff FILE "
+                                "audits a plain diff)")
+        return patches
     except OSError as exc:
         raise OpencotiError(str(exc)) from exc
 
@@ -66,6 +68,7 @@ def markers_command(settings: Settings, as_json: bool, fix: bool, diff_file: Pat
         if not explicit and whole_series_tree(settings) is None:
             raise UsageProblem("--fix needs --tree (it edits the files of the tree)")
         with tree_lock(settings):
+            Tree(settings).refuse_interrupted("markers --fix")
             result = fix_tree(settings.tree, patches)
         if as_json:
             click.echo(json.dumps(result.to_dict(), indent=2))

@@ -82,6 +82,11 @@ def backup_cmd(settings: Settings, pin: str | None, verify: bool, worktree: bool
     with tree_lock(settings):
         if not verify:
             if tree.is_repo() and tree.read_state().get("pin"):
+                if pin and pin != tree.pin and _upstream(settings).pin(pin).name != tree.pin:
+                    raise OpencotiError(
+                        f"{settings.tree} is backed up as pin {tree.pin}, not {pin}: "
+                        f"`{settings.command('rebase --to ' + pin)}` moves it onto {pin}"
+                    )
                 click.echo(f"already backed up as {tree.tag}; use --verify to check it")
                 return
             p = tree.fetched_pin(_upstream(settings), pin)
@@ -266,7 +271,8 @@ refresh_cmd = click.Command(
 @click.option("--skip", is_flag=True, help="Drop the conflicted patch and go on.")
 @click.option("--abort", is_flag=True, help="Go back to the old pin and stack.")
 @click.option("--write-pin", is_flag=True, help="When done, make PIN upstream.toml's default.")
-@click.option("--force", is_flag=True, help="Save uncaptured edits to work/rescue/ first.")
+@click.option("--force", is_flag=True,
+              help="Save uncaptured edits to work/rescue/ first (--to; --abort of a done rebase).")
 @click.option("--no-resolve", is_flag=True,
               help="Leave every conflict to a person (no marker-aware resolution).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
@@ -288,7 +294,9 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
     resolver = None if no_resolve else resolve_conflicts
     with tree_lock(settings):
         if abort:
-            aborted = apply_mod.rebase_abort(tree)
+            aborted = apply_mod.rebase_abort(tree, force)
+            if aborted.get("rescued"):
+                info(f"uncaptured work saved to {aborted['rescued']}")
             click.echo(f"rebase onto {aborted['to']} aborted; back on {aborted['from']} and its stack"
                        + (f"; upstream.toml's default pin is {aborted['default_restored']} again"
                           if aborted.get("default_restored") else ""))
@@ -355,6 +363,11 @@ def prepare_cmd(settings: Settings, pin: str | None, from_file: Path | None, thr
                 f"{settings.tree} is on pin {tree.pin}, not {p.name}: "
                 f"`{settings.command('rebase --to ' + p.name)}` or remove the tree"
             )
+        if not load_series(settings.patches_dir):  # a project before its first patch: nothing to apply yet
+            apply_mod.refuse_empty_series(tree, [], "prepare")
+            click.echo(f"{settings.tree} is {tree.tag}; {settings.series_file} lists no patch yet (the first "
+                       f"comes from `{settings.command('snapshot --new NAME')}`)")
+            return
     _apply_common(settings, three_way, False, False, as_json)
 
 

@@ -24,7 +24,15 @@ from typing import Any
 
 from ..config import DEFAULT_AUTHOR, Settings
 from ..errors import CheckFailed, OpencotiError
-from .apply import CLEAN, apply_one, finish_rebase, rebase_state, rebase_waiting, scratch_index
+from .apply import (
+    CLEAN,
+    apply_one,
+    finish_rebase,
+    rebase_state,
+    rebase_waiting,
+    refuse_empty_series,
+    scratch_index,
+)
 from .series import (
     PatchHeader,
     check_name,
@@ -191,10 +199,12 @@ def snapshot(
     """Write the tree's patch commits (and edits) back into patches/: plan the entries, number the
     new ones, render them, then (unless ``check``) stage, prove and swap in, and rewrite the commits."""
     tree.require()
+    tree.refuse_interrupted("snapshot --check" if check else "snapshot")
     rebasing = rebase_state(tree)
     if rebasing and not rebasing.get("done"):
         raise OpencotiError(f"cannot snapshot: {rebase_waiting(tree, rebasing)}")
     series = read_series(tree.settings.patches_dir)
+    refuse_empty_series(tree, series, "snapshot --check" if check else "snapshot")
     applied_before = [c.patch for c in tree.stack() if c.patch is not None]
     dropped = [n for n in tree.read_state().get("dropped", []) if n not in applied_before]
     unapplied = [n for n in series if n not in applied_before and n not in dropped]

@@ -30,6 +30,7 @@ import requests
 from ..config import Settings
 from ..errors import OpencotiError
 from ..report import info
+from ..safe_extract import ARCHIVE_READ_ERRORS, broken_archive, require_complete
 from .gitrun import run_git
 from .upstream import (
     LLAMA_CPP_GIT,
@@ -169,9 +170,10 @@ def archive_facts(path: Path, subdir: str | None) -> ArchiveFacts:
     try:
         with tarfile.open(path, "r:*") as tar:
             files, dirs, _top = _git_files(tar)
+            require_complete(tar, path)  # a pin records the sha256 of a whole archive only
             comment = str(tar.pax_headers.get("comment", ""))
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise OpencotiError(f"{path.name}: not a readable tar archive ({exc})") from exc
+    except ARCHIVE_READ_ERRORS as exc:
+        raise broken_archive(path, exc) from exc
     if subdir is None:
         subdir = SDIST_SUBDIR if SDIST_SUBDIR in dirs and "ggml" not in dirs else ""
     sub = subdir.strip("/")

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..config import Settings
 from ..errors import OpencotiError
-from .apply import rebase_state
+from .apply import rebase_state, refuse_empty_series
 from .series import parse_patch, read_series
 from .tree import StackCommit, Tree
 from .upstream import load_upstream
@@ -37,6 +37,7 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
     else:
         data["backup"] = f"{tree.tag} (manifest present; `backup --verify` to prove it)" \
             if tree.manifest_path(tree.pin).is_file() else f"{tree.tag} (manifest MISSING)"
+    refuse_empty_series(tree, series, "show the status against it")
     data["applied"], data["uncaptured_commits"] = applied_patches(settings, tree.stack(), series)
     names = {a["name"] for a in data["applied"]}
     data["unapplied"] = [n for n in series if n not in names]

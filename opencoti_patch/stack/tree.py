@@ -554,6 +554,7 @@ class Tree:
 
     def guard_clean(self, action: str, force: bool) -> Path | None:
         """Refuse to let ``action`` overwrite uncaptured work; with ``force``, save it first."""
+        self.refuse_interrupted(action)  # a half-applied patch is not work to capture or rescue
         dirty = self.dirty()
         loose = self.uncaptured_commits()
         if not dirty and not loose:
@@ -582,6 +583,18 @@ class Tree:
 
     def interrupted(self) -> bool:
         return self.txn_file.exists()
+
+    def refuse_interrupted(self, action: str) -> None:
+        """Refuse ``action`` while a killed run's transaction is open: the tree holds a half-applied
+        patch, which is neither the series nor the user's work. ``apply`` (or ``restore``) recovers it."""
+        if self.interrupted():
+            cmd = self.settings.command
+            raise OpencotiError(
+                f"cannot {action}: an opencoti-patch run was killed while applying a patch ({self.txn_file} "
+                f"is there) and {self.path} holds its half-applied files; `{cmd('apply')}` brings the tree "
+                f"back (it saves them to {self.settings.rescue_dir}/ and applies the rest of the series), "
+                f"or `{cmd('restore')}` (pristine upstream)"
+            )
 
     @contextmanager
     def transaction(self) -> Iterator[None]:

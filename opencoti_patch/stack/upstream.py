@@ -28,11 +28,11 @@ from typing import Any
 
 import requests
 
-from ..config import TAG_PREFIX, Settings
+from ..config import TAG_PREFIX, Settings, require_patches_dir
 from ..errors import OpencotiError
 from ..progress import progress as progress_bar
 from ..report import info
-from ..safe_extract import extract_tar, staged
+from ..safe_extract import BrokenArchive, extract_tar, staged
 from .gitrun import run_git
 
 if sys.version_info >= (3, 11):
@@ -145,6 +145,7 @@ def load_upstream(path: Path, command: Callable[[str], str] = plain_command) -> 
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as exc:
+        require_patches_dir(path.parent)
         raise OpencotiError(f"{path} not found: it names the pinned upstream") from exc
     return parse_upstream(text, path, command)
 
@@ -416,6 +417,14 @@ def materialize(
                 used = src.describe()
         except ShaMismatch:
             raise
+        except BrokenArchive as exc:  # it has the sha256 the pin records: the pin is wrong, not the copy
+            if not exc.damaged:
+                raise
+            raise BrokenArchive(
+                f"{exc.message}; its sha256 is the one pin {pin.name} records, so the pin was made from a "
+                f"broken copy: record it again from a complete archive "
+                f"(`{upstream.command(f'pin add {pin.name} --force ...')}`)"
+            ) from exc
         except OpencotiError as exc:
             if getattr(exc, "hostile", False) or len(candidates) == 1:
                 raise
