@@ -23,7 +23,7 @@ from ..config import DEFAULT_AUTHOR, TAG_PREFIX, Settings
 from ..errors import CheckFailed, OpencotiError, PatchFailed
 from ..report import render
 from .gitrun import run_git
-from .hunks import check_exact
+from .hunks import HunkFailure, check_exact
 from .series import LINK_MODE, CorruptPatch, Patch, diff_patch, link_problem, parse_diff
 from .tree import Tree, TreeDiff, commit_message
 from .upstream import Pin, Upstream, load_upstream, materialize, set_default_pin
@@ -130,13 +130,29 @@ def apply_one(tree: Tree, patch: Patch, three_way: bool, index: Path | None = No
         resolved, left, still = auto_resolve(tree, conflicts, resolver)
         if not still:
             return Outcome(patch.name, AUTO, sorted({*merged, *conflicts}), detail, resolved=resolved)
-        return Outcome(patch.name, CONFLICTED, still, detail, failure.hunk, failure.line,
-                       resolved=resolved, left=left)
+        return _conflicted(patch, still, conflicts, merged, failure, resolved, left)
     if conflicts:
-        return Outcome(patch.name, CONFLICTED, conflicts, detail, failure.hunk, failure.line)
+        return _conflicted(patch, conflicts, conflicts, merged, failure)
     return Outcome(patch.name, FAILED, [failure.file],
                    f"{failure.reason}; no 3-way merge either: {_three_way_reason(r.err)}",
                    failure.hunk, failure.line)
+
+
+def _conflicted(patch: Patch, files: list[str], conflicts: list[str], merged: list[str], failure: HunkFailure,
+                resolved: list[dict[str, Any]] | None = None, left: list[dict[str, Any]] | None = None
+                ) -> Outcome:
+    """A conflicted outcome (``files`` still conflicted of git's ``conflicts``) whose detail, hunk and
+    line are of the conflicted files: the first file the exact apply failed on may have merged cleanly
+    (it is then named as merged, not as the failure)."""
+    ours = failure.file in files
+    detail = f"3-way merge conflicted in {', '.join(files)}"
+    clean = [f for f in merged if f not in conflicts]
+    if clean:
+        detail += f"; merged cleanly: {', '.join(clean)}"
+    if ours:
+        detail += f" (exact apply failed at {failure.file}: {failure.reason})"
+    return Outcome(patch.name, CONFLICTED, files, detail, failure.hunk if ours else None,
+                   failure.line if ours else None, resolved=resolved or [], left=left or [])
 
 
 def refuse_moved_links(tree: Tree, patch: Patch, index: Path | None = None) -> None:
