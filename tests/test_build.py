@@ -404,7 +404,7 @@ def test_workflow_renders_and_is_current(tmp_path: Path) -> None:
     assert "self-hosted" in wf["jobs"]["cuda"]["runs-on"]
     assert "${{ github.workspace }}" in text
     # the committed file is what the template renders
-    assert (ROOT / "ci" / "github" / "rebuild.yml").read_text() == text
+    assert (ROOT / ".github" / "workflows" / "rebuild.yml").read_text() == text
     out = tmp_path / "wf.yml"
     assert write_workflow(out, TEMPLATES) is True and write_workflow(out, TEMPLATES) is False
     out.write_text("stale")

@@ -1,4 +1,4 @@
-"""One test per bug of issue 14 ("Bugs found by trying it"), on the tiny synthetic upstream."""
+"""One test per bug found by trying the tools, on the tiny synthetic upstream."""
 
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ def test_the_lexers_scanner_core() -> None:
     assert skip_open("no end", 0, "*/") == (6, False)
 
 
-# -- review of issue 14: Tree owns the fetch record, the rev's staleness, one applier -------------------
+# -- review of those bugs: Tree owns the fetch record, the rev's staleness, one applier -------------------
 
 
 def test_the_tree_owns_the_fetch_record(project: Project) -> None:

@@ -168,7 +168,7 @@ def test_non_editable_install_runs_from_another_folder(tmp_path: Path) -> None:
     wf = subprocess.run([exe, "ci-workflow", "--out", str(tmp_path / "wf.yml")], cwd=elsewhere, env=env,
                         capture_output=True, text=True)
     assert wf.returncode == 0, wf.stderr
-    assert (tmp_path / "wf.yml").read_text() == (ROOT / "ci" / "github" / "rebuild.yml").read_text()
+    assert (tmp_path / "wf.yml").read_text() == (ROOT / ".github" / "workflows" / "rebuild.yml").read_text()
     mk = subprocess.run([exe, "markers"], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert mk.returncode == 0 and "marked regions, 0 errors" in mk.stdout, mk.stdout + mk.stderr
     harness = subprocess.run([str(py), "-c", "from opencoti_patch.config import SHIPPED_HARNESS as h; "

@@ -1,4 +1,4 @@
-"""verify-identical must be able to fail: each test feeds one broken case (issue 16) and expects FAIL or an
+"""verify-identical must be able to fail: each test feeds one broken case and expects FAIL or an
 explicit "not checked", never PASS."""
 
 from __future__ import annotations

@@ -200,11 +200,11 @@ def test_recall_splits_share_one_reference_oracle() -> None:
 
 
 def test_report_template_renders_an_older_report_unchanged() -> None:
-    """Reports without splits (docs/results/quality-selector.json) render as they were committed."""
+    """Reports without splits (tests/data/quality-selector.json) render as they were committed."""
     from opencoti_patch.config import Settings
     from opencoti_patch.report import render
 
-    docs = Path(__file__).resolve().parents[1] / "docs" / "results"
+    docs = Path(__file__).resolve().parent / "data"
     data = json.loads((docs / "quality-selector.json").read_text())
     context = {"recall": None, "passkey": None, "fidelity": None, "needles": None, **data}
     out = render(Settings.resolve().templates_dirs, "quality-selector.md.j2", **context)
@@ -536,7 +536,7 @@ def test_passkey_counts_lost_and_gained_answers_paired_with_dense(tmp_path: Path
     from opencoti_patch.report import render  # noqa: PLC0415
 
     res.update(command="opencoti-patch selector passkey", n_generate=8)
-    docs = Path(__file__).resolve().parents[1] / "docs" / "results"
+    docs = Path(__file__).resolve().parent / "data"
     data = json.loads((docs / "quality-selector.json").read_text())
     context = {"recall": None, "fidelity": None, "needles": None, **data, "passkey": res}
     md = render(Settings.resolve().templates_dirs, "quality-selector.md.j2", **context)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's quality bar on the H200: passkey, fidelity and recall of the block selector on real prose
+# The selector's quality bar on the GPU machine: passkey, fidelity and recall of the block selector on real prose
 # (Gemma 3 270M), through `opencoti-patch selector ...` with the harness built against the device's CUDA
 # build (`ci/device/h200.sh start` makes it: $W/build, W=/tmp/ocw) and every layer offloaded (-ngl 99).
 #
@@ -46,7 +46,7 @@
 #              on the same samples: 25% attended (passkey from 8K on also 12.5%, from 16K on also 2048 tokens;
 #              fidelity at 8K and 16K)
 #   served:    (not in the default list) 4K x $SAMPLES through llama-server with unified slots, one request
-#              at a time vs 4 at a time, dense / sparse 50% (issue 11); builds the llama-server target first
+#              at a time vs 4 at a time, dense / sparse 50%; builds the llama-server target first
 # SEED (default 1234, the tools' own) draws other prompts and texts: a second sample of the same stage, its
 # reports named quality-<stage>-seed<N>.
 # OPENCOTI_DEVICE_CUDA=0: a CPU dry run on a developer machine at tiny scale (2048-token contexts, shares
@@ -315,7 +315,7 @@ stage_table() { # stage -> selector arguments (tiny in the CPU dry run)
         # layer rule (default 1) buys, on the samples of passkey-N
         -dl0) echo "passkey $samples --shares 0.25 --fixed= --per-doc $PER_DOC --harness-arg=--sparse-attn-dense-last --harness-arg=0" ;;
         # the same samples with 128-token and 32-token selection blocks side by side: 25% attended, from 8K on 12.5%
-        # too, from 16K on a fixed 2048 tokens too (issue 10's secondary budgets)
+        # too, from 16K on a fixed 2048 tokens too (the secondary budgets of docs/results/quality.md)
         -b32) local fixed=
               [ "$n" -ge 16 ] && fixed=2048
               echo "passkey $samples --shares $shares --fixed=$fixed --per-doc $PER_DOC --blocks 128,32" ;;
@@ -338,7 +338,7 @@ stage_table() { # stage -> selector arguments (tiny in the CPU dry run)
     fidelity-b32)
         echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32" ;;
     fidelity) echo "fidelity --contexts 8192,16384,32768 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed 2048" ;;
-    # issue 11: the passkey set through llama-server (unified slots), one request at a time vs 4 at a time
+    # the passkey set through llama-server (unified slots), one request at a time vs 4 at a time
     served) echo "served --ctx 4096 --samples $SAMPLES --share 0.5 --parallel 4 --server-args=-kvu" ;;
     recall)   echo "recall --texts 8192:$RECALL_TEXTS,16384:$RECALL_TEXTS,32768:$RECALL_TEXTS --layers 5,11,17 --shares 0.25,0.125 --scorers mean16,mean16-sum,mid32-sum,minmax128" ;;
     *) return 1 ;;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15, step 1 on one machine: the layers split between the local device and a llama.cpp RPC server on
+# Several devices on one machine: the layers split between the local device and a llama.cpp RPC server on
 # loopback (ggml-rpc-server exposing the same GPU), dense vs sparse.
 #
 #   - correctness: `opencoti-patch multidevice rpc` (select-all = dense bitwise in the split layout, sparse split

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving run of issue 11 on the device: llama-server with sparse attention on vs off, with its default slots
+# The serving run on the GPU machine: llama-server with sparse attention on vs off, with its default slots
 # (4, unified KV: `--parallel 4 -kvu`, what a plain `llama-server` does) and with `--parallel 4 --no-kv-unified`;
 # 8K-32K prompts on the random 8B model, streamed and not, some streams cancelled. Checks per server (the load
 # driver's, opencoti_patch/quality/loadtest.py): 0 transport errors, 0 HTTP 5xx, valid JSON, attribution, server

@@ -158,9 +158,17 @@ def series_fingerprint(patches_dir: Path | None) -> str:
     return h.hexdigest()
 
 
-def build_stamp(pin: str, fingerprint: str) -> str:
-    """What ``llama-cli --version`` shows as the commit: ``<pin>+<first 12 of the fingerprint>``."""
-    return f"{pin}+{fingerprint[:12]}"
+def build_stamp(pin: str, fingerprint: str, identity: dict[str, Any] | None = None) -> str:
+    """What ``llama-cli --version`` shows as the commit: ``<pin>+<first 12 of the fingerprint>``, and
+    ``<pin>@<release or commit>+...`` when the pin's name is not already its release or commit (a
+    release pin has no commit: its release tag says which upstream it is; the manifest adds the
+    archive's sha256)."""
+    ident = identity or {}
+    commit, release = ident.get("commit") or "", ident.get("release") or ""
+    token = release or commit[:9]
+    if not token or pin == release or (commit and commit.startswith(pin)):
+        return f"{pin}+{fingerprint[:12]}"
+    return f"{pin}@{token}+{fingerprint[:12]}"
 
 
 # --------------------------------------------------------------------------- tree export
@@ -638,12 +646,16 @@ def portable_args(args: Sequence[str], src: Path, build: Path) -> list[str]:
 
 
 def make_manifest(result: BuildResult, *, pin: str, fingerprint: str, series: list[str],
-                  source: dict[str, Any], tools: Iterable[str]) -> dict[str, Any]:
+                  source: dict[str, Any], tools: Iterable[str],
+                  identity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The build manifest; ``identity``: what the pin is (``Tree.identity``: its llama.cpp commit, or
+    its release and archive sha256, and that in words)."""
     arts = collect_artifacts(result.bin, tools)
     return {
         "schema": 1,
         "generator": f"opencoti-patch {__version__}",
         "upstream_pin": pin,
+        "upstream": identity or {"pin": pin, "identity": "unknown"},
         "series_fingerprint": fingerprint,
         "series": series,
         "build_commit": result.options.build_commit,
@@ -717,13 +729,13 @@ def git_source_info(tree: Path, rev: str | None) -> dict[str, Any]:
 def rebuild(tree: Path, work: Path, opts: BuildOptions, *, label: str, rev: str | None,
             pin: str, patches_dir: Path | None, template_dirs: Sequence[Path],
             install_dirs: Sequence[Path] = (), fresh: bool = False, progress: bool = True,
-            stale: Sequence[str] = (),
+            stale: Sequence[str] = (), identity: dict[str, Any] | None = None,
             ) -> tuple[dict[str, Any], Path]:
     """Export, build and stamp; ``stale``: why the tree is not exactly pristine + the series
-    fingerprinted in the stamp (recorded in the manifest; empty: it is)."""
+    fingerprinted in the stamp (recorded in the manifest; empty: it is); ``identity``: the pin's."""
     work = Path(work).resolve()
     fingerprint = series_fingerprint(patches_dir)
-    opts = replace(opts, build_commit=build_stamp(pin, fingerprint))
+    opts = replace(opts, build_commit=build_stamp(pin, fingerprint, identity))
     exported = export_tree(tree, work / label / "src", rev)
     result = configure_and_build(exported.dest, work / label / "build", opts, label=label, work_root=work,
                                  fresh=fresh, progress=progress)
@@ -731,7 +743,7 @@ def rebuild(tree: Path, work: Path, opts: BuildOptions, *, label: str, rev: str 
     tools = [t for t in result.targets if t.startswith(("llama-", "test-")) and t != "llama-common"]
     manifest = make_manifest(result, pin=pin, fingerprint=fingerprint,
                              series=read_series(Path(patches_dir)) if patches_dir else [],
-                             source=git_source_info(Path(tree), rev), tools=tools)
+                             source=git_source_info(Path(tree), rev), tools=tools, identity=identity)
     manifest["tree_matches_series"] = not stale
     manifest["stale"] = list(stale)
     out_dir = result.build

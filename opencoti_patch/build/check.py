@@ -9,6 +9,7 @@ the target is built with the others and run from ``<build>/bin``; a non-zero exi
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 import time
@@ -49,6 +50,7 @@ class StepResult:
     build_seconds: float = 0.0
     tests: list[TestResult] = field(default_factory=list)
     error: str = ""
+    where: list[str] = field(default_factory=list)  # a build error in the series' terms (``locate``)
 
     @property
     def ok(self) -> bool:
@@ -74,6 +76,55 @@ class CheckReport:
             step["ok"] = obj.ok
         data["ok"] = self.ok
         return data
+
+
+# a compiler diagnostic ``path:line[:col]: [fatal ]error: ...`` and a linker's undefined symbol
+COMPILE_ERROR = re.compile(r"^(?P<file>[^\s:][^:\n]*?):(?P<line>\d+)(?::\d+)?:[ \t]*(?:fatal[ \t]+)?error\b",
+                           re.M)
+UNDEFINED = re.compile(r"undefined reference to [`'\"](?P<name>[^'`\"(]+)")
+
+
+def _relative(path: str, src: Path) -> str:
+    """A diagnostic's path relative to the checked source (absolute, or ``../src/...`` from the build)."""
+    for prefix in (f"{src}/", f"{src.resolve()}/", "../src/"):
+        if path.startswith(prefix):
+            return path[len(prefix):]
+    return path
+
+
+def locate(error: str, src: Path, series: Sequence[Patch]) -> list[str]:
+    """Where a build error is in the series' terms: for the compiler's errors, the marked region (and
+    its patch) holding the line, the patch that creates the file, or upstream code outside them (one
+    entry per place, at its first error line); for an undefined symbol of the linker, the patches whose
+    added lines name it."""
+    places: dict[str, tuple[str, int, int]] = {}  # what -> (file, first line, errors there)
+    regions = None
+    created = {f.new_path: p.name for p in series for f in p.files if f.new_file and f.new_path}
+    for m in COMPILE_ERROR.finditer(error):
+        rel, line = _relative(m.group("file"), src), int(m.group("line"))
+        if rel in created:
+            what = f"in a file {created[rel]} creates"
+        else:
+            regions = regions if regions is not None else audit(series, src).regions
+            inside = [r for r in regions if r.path == rel and r.begin <= line <= r.end]
+            if inside:
+                r = inside[0]
+                what = f"in the marked region {rel}:{r.begin}-{r.end} ({', '.join(r.patches) or r.feature})"
+            elif any(f.path == rel for p in series for f in p.files):
+                what = "upstream code outside the marked regions of the series in that file"
+            else:
+                what = "upstream code no patch of the series touches"
+        first = places.setdefault(f"{rel}\0{what}", (rel, line, 0))
+        places[f"{rel}\0{what}"] = (first[0], first[1], first[2] + 1)
+    out = [f"{rel}:{line}: {key.split(chr(0), 1)[1]}" + (f" ({n} errors)" if n > 1 else "")
+           for key, (rel, line, n) in places.items()]
+    for name in dict.fromkeys(m.group("name").strip() for m in UNDEFINED.finditer(error)):
+        word = re.compile(rf"\b{re.escape(name)}\b")
+        users = [f"{p.name} ({f.path})" for p in series for f in p.files
+                 if any(tag == "+" and word.search(text) for h in f.hunks for _, tag, text in h.new_side())]
+        out.append(f"undefined {name}: " + (f"named by {', '.join(users)}" if users
+                                            else "no patch of the series names it"))
+    return out
 
 
 def test_targets(patch: Patch) -> list[str]:
@@ -139,7 +190,12 @@ def check_series(tree: Path, pristine_rev: str, patches: Sequence[Patch], root: 
             step.built, step.targets, step.build_seconds = True, result.targets, round(result.seconds, 1)
         except OpencotiError as exc:
             step.error = f"build failed: {exc.message}"
+            log = build / "opencoti-build.log"
+            step.where = locate(log.read_text(errors="replace") if log.is_file() else exc.message, src,
+                                patches[:n])
             say(f"{head}: FAILED {step.error.splitlines()[0]}")
+            for where in step.where:
+                say(f"{head}: at {where}")
             report.failed_at = patch.name
             return report
         for check in patch.header.tests:

@@ -33,7 +33,7 @@ class LlamaShape:
         return self.n_embd // self.n_head
 
 
-# Shapes used by the benchmarks (see docs/results/h200-decode.md).
+# Shapes used by the benchmarks (see docs/results/decode.md).
 SHAPES: dict[str, LlamaShape] = {
     # Llama-3-8B-like: 32 layers, GQA 4, head dim 128
     "8b": LlamaShape(n_layer=32, n_embd=4096, n_head=32, n_head_kv=8, n_ff=14336),

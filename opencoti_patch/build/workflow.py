@@ -14,7 +14,7 @@ from ..errors import CheckFailed
 from ..report import render
 
 WORKFLOW_TEMPLATE = "github-workflow.yml.j2"
-WORKFLOW_OUT = "ci/github/rebuild.yml"
+WORKFLOW_OUT = ".github/workflows/rebuild.yml"
 STAGES = ("fetch", "backup", "apply", "markers", "verify", "rebuild", "optests", "publish")
 
 

@@ -24,7 +24,7 @@ def bench_group() -> None:
          bash ci/device/h200.sh start [STAGES...]; bash ci/device/h200.sh wait 540
        (it builds CUDA, writes random-weight 8B/14B-shaped models, runs the op tests and
        llama-bench -sa 0,1; results land in $OUT/results.tgz)
-    3. opencoti-patch bench report results.tgz   tables + JSON + PNG into docs/results/
+    3. opencoti-patch bench report results.tgz   tables + JSON + PNG into work/results/
     """
 
 
@@ -53,7 +53,7 @@ def pack_command(settings: Settings, out: Path, rev: str | None) -> None:
 @bench_group.command("report")
 @click.argument("results", type=click.Path(path_type=Path, exists=True))
 @click.option("--out-dir", type=click.Path(path_type=Path, file_okay=False),
-              help="Report folder [default: <root>/docs/results].")
+              help="Report folder [default: <work>/results].")
 @click.option("--name", default="h200-decode", show_default=True, help="Base name of the files written.")
 @common_options
 def report_command(settings: Settings, results: Path, out_dir: Path | None, name: str) -> None:

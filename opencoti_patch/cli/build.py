@@ -94,8 +94,9 @@ def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, allow_stal
                 as_json: bool, cuda: bool | None, cuda_arch: str, cpu_variant: str, no_ccache: bool,
                 jobs: int | None, cmake_args: tuple[str, ...], no_progress: bool) -> None:
     """Build the tree's DSOs (libggml-base, libggml, libggml-cpu, [libggml-cuda], libllama,
-    libllama-common) and tools reproducibly, stamp them with <pin>+<series fingerprint> and write
-    opencoti-build-manifest.{json,md} next to them."""
+    libllama-common) and tools reproducibly, stamp them with <pin>+<series fingerprint> (<pin>@<release
+    or commit>+... when the pin's name is neither) and write opencoti-build-manifest.{json,md} next to
+    them, which name the pin's identity: its llama.cpp commit, or its release and archive sha256."""
     use_cuda = _cuda(cuda)
     opts = BuildOptions(
         targets=_targets(targets, (*LIB_TARGETS, *TOOL_TARGETS, *OPTIONAL_TARGETS)),
@@ -108,14 +109,17 @@ def rebuild_cmd(settings: Settings, rev: str | None, pin: str | None, allow_stal
             raise CheckFailed(f"{settings.tree} is stale against {settings.patches_dir}: "
                               f"{'; '.join(stale)}; `{settings.command('apply')}` or `snapshot` first, "
                               "or pass --allow-stale")
+        tree = Tree(settings)
+        identity = tree.identity() if tree.is_repo() and tree.read_state().get("pin") else None
         manifest, out_dir = rebuild(settings.tree, root, opts, label=label or ("cuda" if use_cuda else "cpu"),
                                     rev=rev, pin=stamp_pin, patches_dir=settings.patches_dir,
                                     template_dirs=settings.templates_dirs, install_dirs=install_dirs,
-                                    fresh=fresh, progress=not no_progress, stale=stale)
+                                    fresh=fresh, progress=not no_progress, stale=stale, identity=identity)
     if as_json:
         click.echo(json.dumps(manifest, indent=2, sort_keys=True))
         return
-    click.echo(f"built {manifest['build_commit']} ({len(manifest['artifacts'])} artifacts) in {out_dir}/bin")
+    click.echo(f"built {manifest['build_commit']} ({len(manifest['artifacts'])} artifacts; upstream "
+               f"{manifest['upstream']['identity']}) in {out_dir}/bin")
     click.echo(f"manifest: {out_dir}/opencoti-build-manifest.json (.md)")
     for d in install_dirs:
         click.echo(f"installed + verified: {d}")
@@ -240,7 +244,7 @@ def _default_pristine_rev(settings: Settings) -> str:
 @click.option("--check", is_flag=True, help="Write nothing; exit 4 when the file is not up to date.")
 @common_options
 def ci_workflow_cmd(settings: Settings, out: Path | None, cuda_arch: str, check: bool) -> None:
-    """Render templates/github-workflow.yml.j2 into ci/github/rebuild.yml (CPU job + CUDA job)."""
+    """Render templates/github-workflow.yml.j2 into .github/workflows/rebuild.yml (CPU job + CUDA job)."""
     path = out or settings.root / WORKFLOW_OUT
     changed = write_workflow(path, settings.templates_dirs, cuda_arch=cuda_arch, check=check)
     click.echo(f"{path}: {'written' if changed else 'up to date'}")
@@ -271,6 +275,8 @@ def check_cmd(ctx: click.Context, settings: Settings, targets: tuple[str, ...], 
     tree = Tree(settings)
     tree.require()
     patches = load_series(settings.patches_dir)
+    if not patches:
+        raise OpencotiError(f"nothing to check: {settings.series_file} lists no patch")
     opts = BuildOptions(targets=_targets(targets, LIB_TARGETS[:4]), optional_targets=(), cuda=bool(cuda),
                         cuda_arch=cuda_arch, cpu_variant=cpu_variant, ccache=not no_ccache, jobs=jobs,
                         extra_cmake=(*CHECK_CMAKE, *cmake_args))
@@ -294,6 +300,7 @@ def check_cmd(ctx: click.Context, settings: Settings, targets: tuple[str, ...], 
         tests = ", ".join(f"{t.check}: {'ok' if t.ok else 'FAILED'}" for t in step.tests) or "no Test: line"
         lines.append(f"  {'ok' if step.ok else 'FAILED':<7} {step.patch}  ({tests})"
                      + (f"\n          {step.error.splitlines()[0]}" if step.error else ""))
+        lines += [f"          at {where}" for where in step.where]
         failed = [t for t in step.tests if not t.ok]
         if failed:
             lines += [f"          {ln}" for ln in failed[0].output_tail.splitlines()[-10:]]
@@ -305,7 +312,8 @@ def check_cmd(ctx: click.Context, settings: Settings, targets: tuple[str, ...], 
         if not step.applied:
             raise PatchFailed(f"check: {step.patch} {step.error}")
         why = step.error.splitlines()[0] if step.error else "a test failed"
-        raise CheckFailed(f"check: {step.patch} failed ({why})")
+        at = f"; at {'; '.join(step.where)}" if step.where else ""
+        raise CheckFailed(f"check: {step.patch} failed ({why}{at})")
     if data.get("verify") and not data["verify"]["ok"]:
         raise CheckFailed(f"check: verify-identical: {data['verify']['error']}")
 

@@ -40,7 +40,7 @@ def _shared(f: Any) -> Any:
                      show_default=True,
                      help="exclusive: top-k = budget/block, sink+recent on top; inclusive: subtracted."),
         click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
-                     help="Report folder [default: <root>/docs/results]."),
+                     help="Report folder [default: <work>/results]."),
         click.option("--name", default="quality-gemma3-270m", show_default=True,
                      help="Report base name (<out-dir>/<name>.md and .json; gates run separately merge)."),
         click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path),
@@ -194,7 +194,7 @@ def all_cmd(**o: Any) -> None:
 
 @eval_group.command("report")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Report folder [default: <root>/docs/results].")
+              help="Report folder [default: <work>/results].")
 @click.option("--name", default="quality-gemma3-270m", show_default=True)
 @common_options
 def report_cmd(settings: Settings, out_dir: Path | None, name: str) -> None:

@@ -102,7 +102,7 @@ def _with_options(f: Any, default_name: str) -> Any:
         click.option("--seed", type=int, default=1234, show_default=True),
         click.option("--threads", "-t", type=int, default=2, show_default=True),
         click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
-                     default=Path("docs/results"), show_default=True),
+                     default=Path("work/results"), show_default=True),
         click.option("--name", default=default_name, show_default=True,
                      help="Report base name: <out-dir>/<name>.json and .md (each command merges its part)."),
         click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),

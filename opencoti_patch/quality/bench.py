@@ -105,7 +105,7 @@ class BenchRow:
 
     @property
     def folder(self) -> str:
-        """The folder of the run's log: runs of one folder are one lease, and only they share a dense row."""
+        """The folder of the run's log: one machine's runs, the only ones that share a dense row."""
         return PurePosixPath(self.run).parent.as_posix()
 
     def order(self) -> tuple[str, str, str, int, int, int, int, int, str, float]:
@@ -176,7 +176,7 @@ def _dense_for(r: BenchRow, dense: _DenseIndex) -> tuple[BenchRow | None, str | 
 
     Only ever within one run: the dense row of r's run at r's dense_last, else the unique dense row of r's
     run (any dense_last). A run without a dense row at that point (a sparse-only log) takes one of a run in
-    the same folder (the same lease), and says so; never one of another folder. An ambiguous choice is the
+    the same folder (the same machine), and says so; never one of another folder. An ambiguous choice is the
     first by run name and is named in the note."""
     cands = dense.get((r.model, r.kv, r.depth), [])
     own = [d for d in cands if d.run == r.run]
@@ -193,7 +193,7 @@ def _dense_for(r: BenchRow, dense: _DenseIndex) -> tuple[BenchRow | None, str | 
     if not siblings:
         return None, None
     d, others = _closest(r, siblings)
-    note = (f"dense from {d.run}, the same lease ({r.run or '(no run)'} has no dense row of that model, "
+    note = (f"dense from {d.run}, the same folder ({r.run or '(no run)'} has no dense row of that model, "
             f"KV and depth)")
     if d.dense_last != r.dense_last:
         note += f", at dense-last {_fmt_dl(d.dense_last)}"

@@ -1,4 +1,4 @@
-"""Sparse attention with the layers on two devices: a local one and a llama.cpp RPC server (issue 15).
+"""Sparse attention with the layers on two devices: a local one and a llama.cpp RPC server.
 
 One harness prompt, decoded in five variants:
 

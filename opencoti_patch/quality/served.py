@@ -1,7 +1,7 @@
 """Passkey accuracy through llama-server: the same real-prose requests served one at a time and N at a time.
 
 With unified slots (``-kvu``) llama-server decodes the sequences of its busy slots in one ubatch of one KV
-stream; a block selection shared by those sequences (issue 11, point 2: one list per KV head and stream) loses
+stream; a block selection shared by those sequences (one list per KV head and stream) loses
 answers only when requests overlap. So each variant (its server arguments) starts one server, which answers
 the same passkey set twice: **sequential** (one request in flight) and **concurrent** (``concurrency``
 requests in flight, sent in groups that start together so that their decodes share ubatches). Greedy, a fixed
