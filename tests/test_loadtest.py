@@ -100,8 +100,8 @@ def test_plan_is_seeded_within_bounds_with_unique_markers_and_far_repeats() -> N
     assert len({j.spec.fact for j in uniques}) == 32
     for j in uniques:
         assert 60 <= j.spec.n_tokens <= 140 and j.spec.n_tokens == word_tokenizer(j.spec.prompt)
-        # head, the key sentence, the end line, the question
-        assert schedule.MARKER_RE.findall(j.spec.prompt) == [j.spec.rid] * 4
+        # head, the key sentence, the end line, the question, the answer's opening words
+        assert schedule.MARKER_RE.findall(j.spec.prompt) == [j.spec.rid] * 5
         assert schedule.KEY_RE.findall(j.spec.prompt) == [j.spec.fact]
         assert j.cancel_after is None or j.stream
     for j in a:

@@ -15,8 +15,8 @@
 // selects) and not ("warm", as test-backend-ops perf). The memory floor is the bytes of page key sums the select must
 // read once (pages x KV heads x D x 2 bytes; the mask and the keys are under 2% of it) over the bandwidth: the nominal
 // one of the card (H100 3.35 TB/s, H200 4.8 TB/s) and a device-to-device copy measured here. Every kernel's share of
-// the floor is floor / time. The floor kernels' block lists must equal the fused kernel's (checked on two inputs: random
-// sums, and sums with exact ties and empty pages), else the run fails.
+// the floor is floor / time. The floor kernels' block lists must equal the fused kernel's (checked on three inputs:
+// random sums, sums with exact ties and empty pages, and equal sums everywhere), else the run fails.
 #include "sparse-attn.cu"
 
 #include <algorithm>
@@ -69,14 +69,16 @@ static float bench_median(std::vector<float> v) {
     return v.empty() ? 0.0f : v[v.size()/2];
 }
 
-// sums of 16 keys of unit variance (sd 4), some pages "hot" (a realistic spread); ties: every 5th page repeats the page
-// before it (exact ties of the scores) and 3% of the pages are empty (NaN)
-static void fill_sums(std::vector<half> & hk, const bench_case & c, const int n_pages, const bool ties, std::mt19937 & rng) {
+// the key sums of a check or timing: 0 random: sums of 16 keys of unit variance (sd 4), some pages "hot" (a realistic
+// spread); 1 tied: as 0, but every 5th page repeats the page before it (exact ties of the scores) and 3% of the pages
+// are empty (NaN); 2 flat: every page the same (all scores equal: the top-k's every digit level, then the lowest ids)
+static void fill_sums(std::vector<half> & hk, const bench_case & c, const int n_pages, const int mode, std::mt19937 & rng) {
     std::normal_distribution<float> nd01(0.0f, 1.0f);
     const size_t row = size_t(c.D)*c.n_head_kv; // one page, all KV heads
+    const bool ties = mode == 1;
     for (int pg = 0; pg < n_pages; ++pg) {
         half * r = hk.data() + size_t(pg)*row;
-        if (ties && pg % 5 == 4) {
+        if ((ties && pg % 5 == 4) || (mode == 2 && pg > 0)) {
             memcpy(r, r - row, row*sizeof(half));
             continue;
         }
@@ -266,11 +268,13 @@ int main(int argc, char ** argv) {
             return bench_median(ts);
         };
 
-        // block lists: both kernels on random sums and on sums with ties and empty pages; dst poisoned before each
+        // block lists: both kernels on random, tied and flat sums; dst poisoned before each
         bool same = true;
         int n_sel0 = 0;
-        for (const bool ties : { false, true }) {
-            fill_sums(hk, c, n_pages, ties, rng);
+        const char * mode_name[3] = { "random", "tied", "flat" };
+        (void) mode_name;
+        for (const int mode : { 0, 1, 2 }) {
+            fill_sums(hk, c, n_pages, mode, rng);
             BENCH_CHECK(cudaMemcpy(ksum, hk.data(), hk.size()*sizeof(half), cudaMemcpyHostToDevice));
             std::vector<int32_t> h_fused(size_t(n_blocks + 1)*n_rows), h_floor(h_fused.size());
             BENCH_CHECK(cudaMemset(dst, 0x7F, sizeof(int32_t)*h_fused.size()*2));
@@ -288,7 +292,7 @@ int main(int argc, char ** argv) {
                     same = false;
                 }
             }
-            if (!ties) {
+            if (mode == 0) {
                 n_sel0 = h_fused[0];
             }
 #ifdef SPARSE_ATTN_SELECT_FLOOR
@@ -301,7 +305,7 @@ int main(int argc, char ** argv) {
                         h_fused.begin() + r*(n_blocks + 1))) {
                     ++r;
                 }
-                printf("  block lists DIFFER (%s sums): first row %zu (count %d vs %d)\n", ties ? "tied" : "random", r,
+                printf("  block lists DIFFER (%s sums): first row %zu (count %d vs %d)\n", mode_name[mode], r,
                     h_floor[r*(n_blocks + 1)], h_fused[r*(n_blocks + 1)]);
                 same = false;
             }
@@ -309,11 +313,11 @@ int main(int argc, char ** argv) {
         }
         all_ok = all_ok && same;
         // time on the random sums
-        fill_sums(hk, c, n_pages, false, rng);
+        fill_sums(hk, c, n_pages, 0, rng);
         BENCH_CHECK(cudaMemcpy(ksum, hk.data(), hk.size()*sizeof(half), cudaMemcpyHostToDevice));
         printf("  selected per row: %d of %d blocks; block lists %s\n", n_sel0, n_blocks,
 #ifdef SPARSE_ATTN_SELECT_FLOOR
-            same ? "identical (floor = fused, random and tied sums)" : "DIFFER"
+            same ? "identical (floor = fused, random, tied and flat sums)" : "DIFFER"
 #else
             same ? "valid" : "INVALID"
 #endif // SPARSE_ATTN_SELECT_FLOOR
