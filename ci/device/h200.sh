@@ -15,7 +15,7 @@
 #
 # Inputs (carried in the working tree): .carry/llama-src.tar.gz, a slim pinned tree (top folder
 # llama.cpp/) with the patch series already applied, or pristine plus patches/series to apply here.
-# `bench pack` stamps it with the digest of patches/: start and resume refuse a tree packed beside another
+# `lab bench pack` stamps it with the digest of patches/: start and resume refuse a tree packed beside another
 # state of the series (pack again; OPENCOTI_ALLOW_STALE_TREE=1 builds it anyway).
 # `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch lab bench pack --rev upstream/<pin>
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
