@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# The rebuild pipeline of the fork, stage by stage; .github workflow (ci/github/rebuild.yml) runs the
+# The rebuild pipeline of the fork, stage by stage; the GitHub workflow (.github/workflows/rebuild.yml) runs the
 # same stages. Run it on every upstream bump or patch change:
 #
 #   ci/rebuild.sh [--cuda] [STAGE ...]        (no STAGE: all of them, in order)
-#   ci/rebuild.sh [--cuda] --to PIN           the upstream bump: pin add PIN (if new; PIN_ARGS, default
-#                                             --pypi PIN) -> prepare (old pin) -> rebase --to PIN
-#                                             (marker-aware auto-resolution) -> snapshot -> check ->
-#                                             verify -> rebuild + stamp -> publish; on a conflict it
-#                                             stops (exit 3) leaving $ARTIFACTS/bump-PIN/ with the
-#                                             rebase report (rebase.json, rebase.txt) and the
-#                                             conflicted files (conflicted/<path>)
+#   ci/rebuild.sh [--cuda] --to PIN           the upstream bump, one command to run again after each
+#                                             stop: pin add PIN (if new; PIN_ARGS, default --pypi PIN)
+#                                             -> `bump PIN` (the old pin's tree -> rebase --to PIN with
+#                                             marker-aware auto-resolution -> snapshot; run again after a
+#                                             conflict it continues the rebase) -> check (patch by patch:
+#                                             build + each patch's Test: lines) -> optests -> verify ->
+#                                             rebuild + stamp -> publish. A conflict stops it (exit 3)
+#                                             leaving $ARTIFACTS/bump-PIN/ with the rebase report
+#                                             (rebase.json, rebase.txt) and the conflicted files
+#                                             (conflicted/<path>): resolve them in the tree and run it
+#                                             again. A patch that does not build or pass its tests stops
+#                                             it (exit 4; check.json) naming the patch: fix it in the
+#                                             tree, `snapshot --into NNNN-name.patch`, run it again.
 #
 # Stages: fetch backup apply markers verify rebuild optests publish
 #   fetch     download (cached, sha256-checked) + extract the pinned upstream into the tree
@@ -62,7 +68,7 @@ stages=()
 for arg in "$@"; do
     case "$arg" in
         --cuda) CUDA=1 ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
         *) stages+=("$arg") ;;
     esac
 done
@@ -107,6 +113,7 @@ stage_rebuild() {
 }
 stage_optests() {
     local bin=$BUILD_DIR/bin
+    mkdir -p "$BUILD_DIR"  # its logs go beside the pipeline's build (the bump runs it before verify)
     if [ "$CUDA" = 1 ]; then
         # CUDA against the CPU backend, op by op (the sparse FA cases carry block_size in their name).
         # Device only: on a CPU-only build test-backend-ops would compare the CPU backend with itself.
@@ -150,6 +157,7 @@ stage_publish() {
 }
 
 # -- the upstream bump (--to PIN) ---------------------------------------------------------------
+# Every stop leaves the tree as it is; the same command goes on from there (`bump` looks at the tree).
 stage_bump() {
     local out=$ARTIFACTS/bump-$TO_PIN rc=0
     mkdir -p "$out"
@@ -158,12 +166,13 @@ stage_bump() {
         "$OC" pin add "$TO_PIN" ${PIN_ARGS:---pypi $TO_PIN}
     fi
     # shellcheck disable=SC2086
-    "$OC" prepare ${FETCH_ARGS:-}
-    "$OC" rebase --to "$TO_PIN" --json > "$out/rebase.json" || rc=$?
-    python3 - "$out/rebase.json" > "$out/rebase.txt" <<'PY'
+    "$OC" bump "$TO_PIN" ${FETCH_ARGS:-} --json > "$out/rebase.json" || rc=$?
+    python3 - "$out/rebase.json" > "$out/rebase.txt" <<'PY' || true
 import json, sys
 text = open(sys.argv[1]).read()
 data = json.loads(text[text.index("{"):])
+for step in data.get("steps", []):
+    print(f"- {step}")
 for o in data["outcomes"]:
     print(f"{o['status']:<14} {o['patch']}")
     for r in o.get("resolved", []):
@@ -173,20 +182,31 @@ for o in data["outcomes"]:
 PY
     cat "$out/rebase.txt"
     if [ "$rc" != 0 ]; then
-        (cd "$TREE" && git diff --name-only --diff-filter=U) | while read -r f; do
+        rm -rf "$out/conflicted"
+        (cd "$TREE" && git diff --name-only --diff-filter=U 2>/dev/null) | while read -r f; do
             mkdir -p "$out/conflicted/$(dirname "$f")"; cp "$TREE/$f" "$out/conflicted/$f"
         done
-        echo "rebase onto $TO_PIN left conflicts for a person: $out (resolve in $TREE, then" \
-             "\`$OC rebase --continue\`, and run ci/rebuild.sh --to $TO_PIN again)" >&2
+        echo "bump onto $TO_PIN stopped (exit $rc; $out): resolve in $TREE, then run" \
+             "ci/rebuild.sh --to $TO_PIN again (it continues the rebase)" >&2
         return "$rc"
     fi
-    "$OC" snapshot
-    "$OC" check --no-cuda "${JOBS_ARG[@]}" --json > "$out/check.json"
+}
+stage_check() { # the series patch by patch: apply, build, the patch's Test: lines
+    local out=$ARTIFACTS/bump-$TO_PIN rc=0
+    mkdir -p "$out"
+    "$OC" check --no-cuda "${JOBS_ARG[@]}" --json > "$out/check.json" || rc=$?
+    if [ "$rc" != 0 ]; then
+        echo "check of the series on $TO_PIN failed (exit $rc; $out/check.json): fix the patch named above" \
+             "in $TREE, capture the fix with \`$OC snapshot --into NNNN-name.patch\`, then run" \
+             "ci/rebuild.sh --to $TO_PIN again" >&2
+        return "$rc"
+    fi
 }
 
 if [ -n "$TO_PIN" ]; then
-    stage bump
-    for s in verify rebuild publish; do stage "$s"; done
+    for s in bump check optests verify rebuild publish; do stage "$s"; done
+    echo "bump onto $TO_PIN done: the rebased series built and passed its tests patch by patch, the C++" \
+         "tests, verify-identical; stamped build and manifest in $ARTIFACTS"
     exit 0
 fi
 

@@ -19,6 +19,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import OpencotiError
+
 SERIES_FILE = "series"
 UPSTREAM_FILE = "upstream.toml"
 STATE_DIR = "opencoti"  # inside the tree's .git: manifest, state, rebase progress
@@ -47,6 +49,16 @@ def find_root(start: Path | None = None) -> Path:
         if (candidate / "patches").is_dir():
             return candidate
     return here
+
+
+def require_patches_dir(patches_dir: Path) -> None:
+    """A project's patches folder exists: a missing one is the wrong folder (run from elsewhere without
+    --patches-dir), never an empty series."""
+    if not patches_dir.is_dir():
+        raise OpencotiError(
+            f"no patches folder at {patches_dir}: run from the project (the folder holding patches/, or "
+            "below it), or give --patches-dir (OPENCOTI_PATCHES) or OPENCOTI_ROOT"
+        )
 
 
 def portable(text: str, root: Path | None = None) -> str:
@@ -127,8 +139,8 @@ class Settings:
 
     @property
     def results_dir(self) -> Path:
-        """Where reports go by default: ``<root>/docs/results``."""
-        return self.root / "docs" / "results"
+        """Where reports go by default: ``<work>/results`` (git-ignored; docs/results is curated)."""
+        return self.work_dir / "results"
 
     @property
     def rescue_dir(self) -> Path:

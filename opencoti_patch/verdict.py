@@ -60,13 +60,18 @@ class Verdict:
         return out or ([] if self.passed else ["no check ran"])
 
     def accepts(self, not_checked_stages: Iterable[str]) -> bool:
-        """True for PASS, or INCOMPLETE where only checks of ``not_checked_stages`` proved nothing."""
+        """True for PASS, or INCOMPLETE where only checks of ``not_checked_stages`` proved nothing. A
+        required stage without a passed check is accepted only when it is named and a check of it says
+        "not checked" (skipped on purpose); a stage that never ran is never accepted."""
         if self.verdict == PASS:
             return True
-        if self.verdict == FAIL or self.missing_stages:
+        if self.verdict == FAIL:
             return False
         accepted = set(not_checked_stages)
-        return bool(self.not_checked) and all(n.split(": ", 1)[0] in accepted for n in self.not_checked)
+        skipped = {n.split(": ", 1)[0] for n in self.not_checked}
+        if any(st not in accepted or st not in skipped for st in self.missing_stages):
+            return False
+        return bool(skipped) and skipped <= accepted
 
 
 def verdict_of(checks: Sequence[Check], required_stages: Iterable[str] = ()) -> Verdict:

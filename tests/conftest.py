@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prereq import pytest_runtest_makereport  # noqa: F401 (a hook: no skip under OPENCOTI_REQUIRE_ALL=1)
 from stackutil import PIN_A, PIN_B, Project, make_sdist, upstream_toml, write_upstream
 
 

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MARKER = re.compile(r"LT[0-9a-f]{2}-\d{4}-[0-9a-f]{6}")
+KEY = re.compile(r"The key of document (\S+) is (KY[0-9a-f]{2}-\d{4}-[0-9a-f]{6})\.")
 
 
 @dataclass
@@ -25,7 +26,10 @@ class Faults:
     status_500_calls: set[int] = field(default_factory=set)  # 1-based completion calls answered 500
     bad_json_chunk: bool = False  # the 2nd SSE chunk of every stream is not JSON
     leak: bool = False  # outputs carry the previous request's marker (text fed back to another request)
-    no_echo: bool = False  # outputs never repeat their own marker (what a model does not asked for it)
+    no_echo: bool = False  # outputs never repeat their context's key (what a model does not asked for it)
+    # outputs repeat their own marker (the question names it), then continue the previous request's
+    # context instead of their own: the key of their own context is never read
+    wrong_context: bool = False
     nondeterministic: bool = False  # outputs depend on a call counter
     salt: str = ""  # changes every output (a "different model")
     health_503: int = 0  # the first N /health calls answer 503 (loading)
@@ -39,6 +43,7 @@ class FakeLlamaServer:
         self.calls = 0
         self.health_calls = 0
         self.last_marker = ""
+        self.last_words: list[str] = []
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -57,16 +62,22 @@ class FakeLlamaServer:
 
     def pieces(self, prompt: str, n: int, call: int) -> list[str]:
         own = MARKER.findall(prompt)
+        key = KEY.search(prompt)
         h = hashlib.sha256((prompt + self.faults.salt).encode()).hexdigest()
         if self.faults.nondeterministic:
             h = hashlib.sha256(f"{h}{call}".encode()).hexdigest()
         out = [f" w{h[2 * i : 2 * i + 2]}" for i in range(n)]
-        if own and not self.faults.no_echo:
-            out[0] = f" {own[0]}"  # the prompt asks for its document id again: a model copies it
+        if key and not self.faults.no_echo:
+            out[0] = f" {key.group(2)}"  # the prompt asks for its context's key again: a model copies it
+        words = [w for w in prompt.split() if not MARKER.search(w) and not w.startswith("KY")]
         with self.lock:
             prev, self.last_marker = self.last_marker, (own[0] if own else "")
+            prev_words, self.last_words = self.last_words, words
         if self.faults.leak and prev and n > 1:
             out[1] = f" {prev}"
+        if self.faults.wrong_context and own:
+            tail = prev_words[len(prev_words) // 2:] or words
+            out = [f" {own[0]}", *(f" {w}" for w in tail[: n - 1])]
         return out
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch.build.synth_gguf import LlamaShape, import_gguf, write_llama_gguf
-from opencoti_patch.quality import bench
+from opencoti_patch.lab import bench
+from opencoti_patch.verify.synth_gguf import LlamaShape, import_gguf, write_llama_gguf
 
 
 def test_pack_slim_drops_unneeded_folders(tmp_path: Path) -> None:
@@ -115,7 +115,7 @@ def _sadt(depth: int, sa: int, tps: float, dense_last: int, block: int = 128, to
 
 
 def test_two_runs_in_one_folder_pair_with_their_own_dense(tmp_path: Path) -> None:
-    """Two llama-bench logs of one lease, both with dense and sparse at 131072: each sparse row's ratio is
+    """Two llama-bench logs of one machine, both with dense and sparse at 131072: each sparse row's ratio is
     against its own log's dense (the last dense row read used to win for both)."""
     _log(tmp_path / "bench-f16.log", _rec(131072, 0, 100.0), _rec(131072, 1, 250.0))
     _log(tmp_path / "bench-q8.log", _rec(131072, 0, 50.0), _rec(131072, 1, 200.0))
@@ -150,7 +150,7 @@ def test_sadt_rows_pair_dense_last_to_dense_last(tmp_path: Path) -> None:
 
 
 def test_sparse_only_log_takes_the_sibling_dense_with_a_footnote(tmp_path: Path) -> None:
-    """The lease3 layout: bench-b32.log has sparse rows only; its dense is bench-f16.log's of the same folder
+    """A device layout: bench-b32.log has sparse rows only; its dense is bench-f16.log's of the same folder
     (94.2), marked, never the later -sadt run's in bench-sadt/ (97.2)."""
     _log(tmp_path / "bench-b32.log", _sadt(131072, 1, 175.3, 1, block=32, topk=128))
     _log(tmp_path / "bench-f16.log", _sadt(131072, 0, 94.2, 1), _sadt(131072, 1, 177.4, 1))
@@ -163,12 +163,12 @@ def test_sparse_only_log_takes_the_sibling_dense_with_a_footnote(tmp_path: Path)
     assert cs[("bench-f16", 1)]["dense_tps"] == 94.2 and cs[("bench-f16", 1)]["dense_note"] is None
     table = bench.markdown_table(bench.load_results(tmp_path))
     assert "| bench-b32 | 8b | f16 | 131072 | 94.2† | 4096 (128 x 32) | 1 | 175.3 | **1.86×** |" in table
-    assert "\n† dense from bench-f16, the same lease (bench-b32 has no dense row" in table
+    assert "\n† dense from bench-f16, the same folder (bench-b32 has no dense row" in table
     assert "| bench-f16 | 8b | f16 | 131072 | 94.2 |" in table
 
 
 def test_logs_in_different_folders_never_pair(tmp_path: Path) -> None:
-    """A sparse-only log takes no dense row of another folder (another lease), above or below it."""
+    """A sparse-only log takes no dense row of another folder (another machine), above or below it."""
     _log(tmp_path / "a" / "bench-f16.log", _rec(131072, 0, 100.0))
     _log(tmp_path / "b" / "bench-b32.log", _rec(131072, 1, 250.0))
     _log(tmp_path / "bench-top.log", _rec(131072, 1, 300.0))
@@ -228,13 +228,13 @@ def test_bench_report_cli(tmp_path: Path) -> None:
     empty.mkdir()
     res = CliRunner().invoke(cli, ["bench", "report", str(empty), "--out-dir", str(out)])
     assert res.exit_code != 0 and "no llama-bench results" in res.output
-    # without --out-dir: the project's docs/results, wherever it is run from
+    # without --out-dir: the work folder's results/ (git-ignored), wherever it is run from
     root = tmp_path / "proj"
     (root / "patches").mkdir(parents=True)
     runner = CliRunner(env={"OPENCOTI_ROOT": str(root)})
     res = runner.invoke(cli, ["bench", "report", str(logs), "--name", "y"])
     assert res.exit_code == 0, res.output
-    assert (root / "docs" / "results" / "y.json").is_file()
+    assert (root / "work" / "results" / "y.json").is_file()
 
 
 def test_rows_of_another_score_or_page_size_say_so_and_pair_with_the_same_dense(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ manifest + install, report and workflow rendering. (Real builds: tests/test_buil
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import stat
@@ -14,10 +15,10 @@ from pathlib import Path
 import pytest
 from test_house import fake_ccache
 
-from opencoti_patch.build import builder as b
-from opencoti_patch.build import identical as ident
-from opencoti_patch.build.workflow import render_workflow, write_workflow
+from opencoti_patch.builds import builder as b
+from opencoti_patch.builds.workflow import render_workflow, write_workflow
 from opencoti_patch.errors import CheckFailed, OpencotiError
+from opencoti_patch.verify import identical as ident
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = [ROOT / "opencoti_patch" / "templates"]
@@ -288,8 +289,6 @@ def test_parse_log_facts() -> None:
 
 
 def test_first_difference(tmp_path: Path) -> None:
-    import array
-
     x = array.array("f", [0.0] * 8)
     y = array.array("f", [0.0] * 8)
     y[5] = 0.5
@@ -305,7 +304,7 @@ def _run(label: str, kv: str, tmp: Path, sha: str, nodes: int = 130,
     log = tmp / f"{label}.log"
     log.write_text(LOG.replace("nodes = 134", graph))
     dump = tmp / f"{label}.f32"
-    dump.write_bytes(b"\0" * 16)
+    dump.write_bytes(array.array("f", [0.5, -0.25, 1.0, 0.0]).tobytes())  # 2 rows of 2: finite, not constant
     summary = {"rows": 2, "n_vocab": 2, "n_decode": 1, "n_prompt": 4, "decode_tokens": [1], "state_size": 10,
                "nodes": {"prefill": 1, "decode_min": nodes, "decode_max": nodes}}
     return ident.HarnessRun(label, kv, 0, log, dump, sha, summary, ident.parse_log_facts(log.read_text()))
@@ -386,7 +385,8 @@ def test_report_rendering(tmp_path: Path) -> None:
     with pytest.raises(CheckFailed, match="feature off"):
         ident.raise_on_failure(data)
     required = [ident.Check(n, st, True, "ok") for n, st in
-                (("build pristine", "build"), ("patched differs", "sources"), ("feature off", "behaviour"))]
+                (("build pristine", "build"), ("patched differs", "sources"), ("objects", "binaries"),
+                 ("feature off", "behaviour"))]
     _, _, good = ident.render_report(checks[:1] + required, meta, tmp_path, TEMPLATES)
     assert good["verdict"] == "PASS"
     ident.raise_on_failure(good)
@@ -404,7 +404,7 @@ def test_workflow_renders_and_is_current(tmp_path: Path) -> None:
     assert "self-hosted" in wf["jobs"]["cuda"]["runs-on"]
     assert "${{ github.workspace }}" in text
     # the committed file is what the template renders
-    assert (ROOT / "ci" / "github" / "rebuild.yml").read_text() == text
+    assert (ROOT / ".github" / "workflows" / "rebuild.yml").read_text() == text
     out = tmp_path / "wf.yml"
     assert write_workflow(out, TEMPLATES) is True and write_workflow(out, TEMPLATES) is False
     out.write_text("stale")

@@ -108,11 +108,18 @@ STUB = """#!/bin/sh
 echo "$*" >> "$LOG"
 case "$1" in
   pin) [ "$2" = list ] && echo '{"pins": [{"name": "old"}]}' ;;
-  rebase) echo '{"outcomes": [{"patch": "0001-a.patch", "status": "'$REBASE_STATUS'",
+  bump) echo '{"steps": ["rebase old -> 0.3.35"], "outcomes": [{"patch": "0001-a.patch",
+          "status": "'$REBASE_STATUS'",
           "resolved": [{"file": "a.c", "lines": "3-5", "rules": ["marker-region"]}],
           "left": [{"file": "b.c", "lines": "7-9", "why": "unmarked"}]}], "pending": false}'
           [ "$REBASE_STATUS" = conflicted ] && exit 3 ;;
   check) echo '{"ok": true}' ;;
+  rebuild) case " $* " in *" selfcheck "*)
+          bin=$OPENCOTI_WORK/build/selfcheck/build/bin; mkdir -p "$bin"
+          printf '#!/bin/sh\necho ok\n' > "$bin/test-sparse-attn"
+          printf '#!/bin/sh\nfor i in $(seq 32); do echo "llama hd=64 x OK"; done\n' \
+              > "$bin/test-sparse-attn-kv"
+          chmod +x "$bin"/test-* ;; esac ;;
 esac
 exit 0
 """
@@ -120,8 +127,8 @@ exit 0
 
 @pytest.mark.parametrize("status", ["auto-resolved", "conflicted"])
 def test_rebuild_to_pin_path(tmp_path: Path, status: str) -> None:
-    """ci/rebuild.sh --to PIN: pin add -> prepare -> rebase -> snapshot -> check -> verify -> rebuild;
-    a conflict stops it (exit 3) with the report and the conflicted files in the artifact folder."""
+    """ci/rebuild.sh --to PIN: pin add -> bump (prepare, rebase, snapshot) -> check -> optests -> verify ->
+    rebuild; a conflict stops it (exit 3) with the report and the conflicted files in the artifact folder."""
     import subprocess
 
     stub = tmp_path / "oc"
@@ -146,10 +153,48 @@ def test_rebuild_to_pin_path(tmp_path: Path, status: str) -> None:
     assert "auto-resolved a.c:3-5 (marker-region)" in (out / "rebase.txt").read_text()
     if status == "conflicted":
         assert res.returncode == 3, res.stderr
-        assert calls == ["pin list", "pin add", "prepare", "rebase"]
-        assert "left conflicts for a person" in res.stderr
+        assert calls == ["pin list", "pin add", "bump"]
+        assert "bump onto 0.3.35 stopped (exit 3" in res.stderr
+        assert "run ci/rebuild.sh --to 0.3.35 again" in res.stderr
     else:
         assert res.returncode == 0, res.stderr
-        assert calls[:6] == ["pin list", "pin add", "prepare", "rebase", "snapshot", "check"]
-        assert calls[6:8] == ["verify-identical", "rebuild"]
+        assert calls == ["pin list", "pin add", "bump", "check", "rebuild", "verify-identical", "rebuild"]
         assert json.loads((out / "check.json").read_text()) == {"ok": True}
+        assert "- rebase old -> 0.3.35" in (out / "rebase.txt").read_text()
+
+
+LINKED = """# UPSTREAM_SYNC(tiny): file
+cmake_minimum_required(VERSION 3.14)
+project(tiny C)
+set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+add_executable(tiny-test t.c src/a.c)
+"""
+
+
+@pytest.mark.skipif(not shutil.which("cc"), reason="no C compiler")
+def test_a_build_error_names_the_patch_and_the_region(project: Project, monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    """A compile error inside a marked region of an upstream file names that region and its patch; an
+    undefined symbol at link time names the patches whose added lines use it."""
+    monkeypatch.setenv("PATH", path_without_ccache(tmp_path))
+    project.prepared()
+    (project.tree / "CMakeLists.txt").write_text(LINKED)
+    (project.tree / "t.c").write_text("// UPSTREAM_SYNC(tiny): file\nint main(void) { return 0; }\n")
+    project.run("snapshot", "--new", "tiny", "--feature", "tiny")
+    project.edit("src/a.c", "int line_20 = 20;\n", "int line_20 = 20;\n// UPSTREAM_SYNC(tiny): begin\n"
+                 "int broken = ;\n// UPSTREAM_SYNC(tiny): end\n")
+    project.run("snapshot", "--new", "broken", "--feature", "tiny")
+    root = tmp_path / "check"
+    result = project.run("check", "--targets", "tiny-test", "--check-root", str(root), "--json",
+                         "--no-progress", code=4)
+    data = json.loads(result.stdout[result.stdout.index("{"):])
+    assert data["failed_at"] == "0002-broken.patch"
+    where = "src/a.c:22: in the marked region src/a.c:21-23 (0002-broken.patch)"
+    assert data["steps"][1]["where"] == [where]
+    assert f"at {where}" in result.output
+    patch = project.patches / "0002-broken.patch"
+    fixed = "+int broken(void); int use(void) { return broken(); }"
+    patch.write_text(patch.read_text().replace("+int broken = ;", fixed))
+    result = project.run("check", "--targets", "tiny-test", "--check-root", str(root), "--no-progress",
+                         code=4)
+    assert "at undefined broken: named by 0002-broken.patch (src/a.c)" in result.output

@@ -93,10 +93,10 @@ def test_candidate_patches_are_applied_over_the_carried_tree(tmp_path: Path, app
 
 
 def test_a_tree_packed_beside_another_series_is_refused(tmp_path: Path) -> None:
-    """`bench pack` stamps the carried tree with the digest of patches/ (series_digest); `start`/`resume`
+    """`lab bench pack` stamps the carried tree with the digest of patches/ (series_digest); `start`/`resume`
     recompute it in bash and refuse a tree packed before patches/ changed (a run once measured the old series
     that way), unless OPENCOTI_ALLOW_STALE_TREE=1. The bash and the Python digests must agree."""
-    from opencoti_patch.quality.bench import pack_slim
+    from opencoti_patch.lab.bench import pack_slim
     from opencoti_patch.stack.series import series_digest
 
     patches = tmp_path / "patches"
@@ -123,7 +123,7 @@ def test_a_tree_packed_beside_another_series_is_refused(tmp_path: Path) -> None:
     (patches / "0002-b.patch").write_text("b, changed\n")
     res = start()
     assert res.returncode == 1 and "packed beside another state of patches/" in res.stderr, res.stderr
-    assert "opencoti-patch bench pack" in res.stderr
+    assert "opencoti-patch lab bench pack" in res.stderr
     assert _h200(work, "resume", "tests").returncode == 1
     assert start(OPENCOTI_ALLOW_STALE_TREE="1").returncode == 0
     # an unstamped tarball (packed before stamps) runs, with a warning

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch.quality import prose
+from opencoti_patch.lab import prose
 
 SCRIPT = Path(__file__).resolve().parents[1] / "ci" / "device" / "quality.sh"
 MODEL_NAME = "gemma-3-270m-q4_k_m.gguf"
@@ -107,7 +107,7 @@ def test_receive_without_a_manifest_says_what_to_carry(tmp_path: Path) -> None:
 
 
 def test_stage_table_budgets_and_sizes(tmp_path: Path) -> None:
-    """Every device stage runs what issue 10's bar asks; an unknown stage is refused before anything runs."""
+    """Every device stage runs what the quality bar asks; an unknown stage is refused before anything runs."""
     script = _tree(tmp_path / "t")
     res = _sh(script, "run", "passkey-64k", OPENCOTI_QUALITY_WORK=str(tmp_path / "qw"))
     assert res.returncode != 0 and "unknown stage passkey-64k" in res.stderr
@@ -168,7 +168,7 @@ def test_stage_table_budgets_and_sizes(tmp_path: Path) -> None:
         "--scores maxmean,maxmean-p4",
         "passkey-8k-fine: passkey --samples 8192:300 --shares 0.25,0.125 --fixed= --per-doc 10 "
         "--blocks 128,32 --scores maxmean,maxmean-p4"]
-    # a fixed budget beside the shares (the 2048 tokens of issue 10 at 32K)
+    # a fixed budget beside the shares (the 2048 tokens of the quality bar at 32K)
     res = _sh(script, "args", "passkey-32k-scores", "passkey-4k-fine", OPENCOTI_DEVICE_CUDA="1",
               SCORES="maxmean-pauto", FIXED="2048")
     assert res.stdout.splitlines() == [

@@ -1,4 +1,4 @@
-"""One test per bug of issue 14 ("Bugs found by trying it"), on the tiny synthetic upstream."""
+"""One test per bug found by trying the tools, on the tiny synthetic upstream."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_three_way_failure_gives_the_reason_not_git_noise(project: Project) -> N
 
 
 def test_rebuild_stamps_the_trees_pin_after_a_rebase(project: Project) -> None:
-    from opencoti_patch.cli.build import _pin_and_staleness
+    from opencoti_patch.cli.builds import _pin_and_staleness
     from opencoti_patch.config import Settings
 
     two_patches(project)
@@ -184,7 +184,7 @@ def test_markers_fix_rebuild_and_verify_identical_take_the_lock(project: Project
 
 def test_verify_identical_applies_patch_files_with_the_stacks_applier(tmp_path: Path) -> None:
     """--patch-file diffs go through git apply (exact), even from a work folder inside a git repo."""
-    from opencoti_patch.build import identical as ident
+    from opencoti_patch.verify import identical as ident
 
     outer = tmp_path / "repo"
     subprocess.run(["git", "init", "-q", str(outer)], check=True)  # an enclosing repository
@@ -204,15 +204,20 @@ def test_verify_identical_applies_patch_files_with_the_stacks_applier(tmp_path: 
 
 
 def test_one_harness_builder_configures_reproducibly(tmp_path: Path) -> None:
-    from opencoti_patch.build import builder as b
-    from opencoti_patch.build import harness
+    from opencoti_patch.builds import builder as b
+    from opencoti_patch.builds import harness
 
     opts = b.BuildOptions(ccache=False)
     args = harness.harness_args(tmp_path / "src", tmp_path / "bin", tmp_path / "h", opts)
     assert "-G" in args and "Ninja" in args
     assert f"-DCMAKE_CXX_FLAGS=-ffile-prefix-map={tmp_path / 'src'}=." in args
     assert not any("LAUNCHER" in a for a in args)
-    assert (harness.SHIPPED_HARNESS / "opencoti-harness-batch.cpp").is_file()
+    assert (harness.SHIPPED_HARNESS / "opencoti-harness.cpp").is_file()
+    from opencoti_patch.lab.batch import LAB_HARNESS
+
+    lab = harness.harness_args(tmp_path / "src", tmp_path / "bin", tmp_path / "h", opts, LAB_HARNESS)
+    assert lab[lab.index("-S") + 1] == str(LAB_HARNESS)
+    assert (LAB_HARNESS / "opencoti-harness-batch.cpp").is_file()
 
 
 def test_eval_path_defaults_come_from_settings(tmp_path: Path) -> None:
@@ -233,13 +238,13 @@ def test_eval_path_defaults_come_from_settings(tmp_path: Path) -> None:
 
 
 def test_eval_gate_results_merge_below_the_cli(tmp_path: Path) -> None:
-    """The merging of gates run separately lives in quality/evaluate (the CLI only calls it)."""
+    """The merging of gates run separately lives in lab/evaluate (the CLI only calls it)."""
     import json as _json
 
-    from opencoti_patch.quality import evaluate as ev
+    from opencoti_patch.lab import gate_report
 
-    ev.save_gate_results(tmp_path, "q", {"other": 1}, {"cli": ["a"], "harness_commands": ["x"]})
-    md, js = ev.save_gate_results(tmp_path, "q", {}, {"cli": ["b"], "harness_commands": ["y"]})
+    gate_report.save_gate_results(tmp_path, "q", {"other": 1}, {"cli": ["a"], "harness_commands": ["x"]})
+    md, js = gate_report.save_gate_results(tmp_path, "q", {}, {"cli": ["b"], "harness_commands": ["y"]})
     meta = _json.loads(js.read_text())["meta"]
     assert meta["cli"] == ["a", "b"] and meta["harness_commands"] == ["x", "y"]
     assert md.is_file() and _json.loads(js.read_text())["other"] == 1
@@ -254,7 +259,7 @@ def test_the_lexers_scanner_core() -> None:
     assert skip_open("no end", 0, "*/") == (6, False)
 
 
-# -- review of issue 14: Tree owns the fetch record, the rev's staleness, one applier -------------------
+# -- review of those bugs: Tree owns the fetch record, the rev's staleness, one applier -------------------
 
 
 def test_the_tree_owns_the_fetch_record(project: Project) -> None:
@@ -282,7 +287,7 @@ def test_rebase_leaves_no_fetch_record_of_its_scratch_import(project: Project) -
 
 def test_rebuild_rev_is_checked_against_the_series_too(project: Project) -> None:
     """`rebuild --rev REV` builds that commit: it must carry exactly the series of patches/."""
-    from opencoti_patch.cli.build import _pin_and_staleness
+    from opencoti_patch.cli.builds import _pin_and_staleness
     from opencoti_patch.config import Settings
 
     two_patches(project)

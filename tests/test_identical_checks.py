@@ -1,10 +1,11 @@
-"""verify-identical must be able to fail: each test feeds one broken case (issue 16) and expects FAIL or an
+"""verify-identical must be able to fail: each test feeds one broken case and expects FAIL or an
 explicit "not checked", never PASS."""
 
 from __future__ import annotations
 
 import array
 import json
+import math
 import shutil
 import subprocess
 from dataclasses import replace
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from opencoti_patch.build import builder as b
-from opencoti_patch.build import identical as ident
-from opencoti_patch.errors import CheckFailed
+from opencoti_patch.builds import builder as b
+from opencoti_patch.errors import CheckFailed, OpencotiError
+from opencoti_patch.stack.series import FilePatch
+from opencoti_patch.verify import identical as ident
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = [ROOT / "opencoti_patch" / "templates"]
@@ -29,13 +31,16 @@ META = {"pristine": "upstream of /t", "patched": "files of /t", "targets": ["lla
 
 
 def _harness_run(tmp: Path, label: str, *, rows: int = 1 + DECODE, dump: bool = True,
-                 summary: bool = True, n_prompt: int = PROMPT, tokens: int = DECODE) -> ident.HarnessRun:
+                 summary: bool = True, n_prompt: int = PROMPT, tokens: int = DECODE,
+                 value: float | None = None) -> ident.HarnessRun:
+    """One harness run; its logits are varied and finite, or every one ``value`` (NaN, 0.0)."""
     log = tmp / f"{label}.log"
     log.write_text(LOG)
     path = tmp / f"{label}.f32"
     path.unlink(missing_ok=True)
     if dump:
-        path.write_bytes(array.array("f", [0.25] * (rows * N_VOCAB)).tobytes())
+        logits = [0.25 * (i % 7) - 0.5 if value is None else value for i in range(rows * N_VOCAB)]
+        path.write_bytes(array.array("f", logits).tobytes())
     data = {"rows": 1 + DECODE, "n_vocab": N_VOCAB, "n_decode": DECODE, "n_prompt": n_prompt,
             "decode_tokens": [1] * tokens, "state_size": 10, "nodes": None} if summary else None
     return ident.HarnessRun(label, "f16", 0, log, path, b.sha256_file(path) if dump else None, data,
@@ -64,23 +69,52 @@ def test_behaviour_fails_when_nothing_comparable(tmp_path: Path, broken: dict[st
     assert c.passed is False and why in c.summary, (c.summary, c.evidence)
 
 
+@pytest.mark.parametrize(("value", "why"), [(math.nan, "NaN"), (0.0, "all 4 logits equal 0.0"),
+                                            (math.inf, "infinite")])
+def test_behaviour_fails_on_logits_that_prove_nothing(tmp_path: Path, value: float, why: str) -> None:
+    # both sides all-NaN (or all-zero): equal dumps, equal hashes, and still no evidence
+    a, q = _harness_run(tmp_path, "p", value=value), _harness_run(tmp_path, "q", value=value)
+    assert a.sha256 == q.sha256
+    c = _behaviour(a, q)
+    assert c.passed is False and why in c.summary, (c.summary, c.evidence)
+    # one side only is enough
+    c = _behaviour(_harness_run(tmp_path, "p2"), _harness_run(tmp_path, "q2", value=value))
+    assert c.passed is False and "q2: row 0" in c.summary
+
+
 def test_verdict_needs_sources_and_behaviour(tmp_path: Path) -> None:
     builds = [ident.Check("build pristine", "build", True, "ok"),
               ident.Check("build patched", "build", True, "ok")]
     v = ident.verdict_of(builds)
-    assert v.verdict == "INCOMPLETE" and v.missing_stages == ("sources", "behaviour")
+    assert v.verdict == "INCOMPLETE"
+    assert v.missing_stages == ("sources", "reproducibility", "binaries", "behaviour")
     _, _, data = ident.render_report(builds, META, tmp_path, TEMPLATES)
     assert data["verdict"] == "INCOMPLETE"
-    assert "No passed check of: sources, behaviour" in (tmp_path / "verify-identical.md").read_text()
+    assert "No passed check of: sources, reproducibility" in (tmp_path / "verify-identical.md").read_text()
     with pytest.raises(CheckFailed, match="no passed behaviour check"):
         ident.raise_on_failure(data)
     with pytest.raises(CheckFailed, match="no passed behaviour check"):  # a missing stage is never accepted
         ident.raise_on_failure(data, accept_not_checked=["sources", "behaviour"])
 
 
+def test_every_stage_is_required(tmp_path: Path) -> None:
+    # build + sources + behaviour alone used to PASS: reproducibility and binaries were never asked for
+    three = [ident.Check("build pristine", "build", True, "ok"),
+             ident.Check("differs", "sources", True, "ok"), ident.Check("f16", "behaviour", True, "ok")]
+    v = ident.verdict_of(three)
+    assert v.verdict == "INCOMPLETE" and v.missing_stages == ("reproducibility", "binaries")
+    _, _, data = ident.render_report(three, META, tmp_path, TEMPLATES)
+    with pytest.raises(CheckFailed, match="no passed reproducibility check"):
+        ident.raise_on_failure(data, accept_not_checked=["reproducibility", "binaries"])  # never ran
+    five = [*three, ident.Check("same tree built twice", "reproducibility", True, "ok"),
+            ident.Check("objects", "binaries", True, "ok")]
+    assert ident.verdict_of(five).verdict == "PASS"
+
+
 def test_not_checked_is_incomplete_not_pass(tmp_path: Path) -> None:
     checks = [ident.Check("build pristine", "build", True, "ok"),
               ident.Check("differs", "sources", True, "ok"), ident.Check("f16", "behaviour", True, "ok"),
+              ident.Check("objects", "binaries", True, "ok"),
               ident.Check("same tree built twice", "reproducibility", None, "not checked (--skip-repro)")]
     _, _, data = ident.render_report(checks, META, tmp_path, TEMPLATES)
     assert data["verdict"] == "INCOMPLETE"
@@ -93,12 +127,55 @@ def test_not_checked_is_incomplete_not_pass(tmp_path: Path) -> None:
     ident.raise_on_failure(data, accept_not_checked=["reproducibility"])  # explicit acceptance only
 
 
-def test_patched_equal_to_pristine_fails() -> None:
-    assert ident.check_patched_differs([], {}).passed is False
-    series = {"0001-a.patch": ["ggml/include/ggml.h"], "0002-b.patch": ["src/llama.cpp"]}
-    half = ident.check_patched_differs(["ggml/include/ggml.h"], series)
+def _fp(old: str | None, new: str | None) -> FilePatch:
+    return FilePatch(old, new)
+
+
+def _tree(root: Path, files: list[str]) -> Path:
+    for rel in files:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x\n")
+    return root
+
+
+def test_patched_equal_to_pristine_fails(tmp_path: Path) -> None:
+    series = {"0001-a.patch": [_fp("ggml/include/ggml.h", "ggml/include/ggml.h")],
+              "0002-b.patch": [_fp("src/llama.cpp", "src/llama.cpp")]}
+    tree = _tree(tmp_path, ["ggml/include/ggml.h", "src/llama.cpp"])
+    assert ident.check_patched_differs([], series, tree).passed is False
+    half = ident.check_patched_differs(["ggml/include/ggml.h"], series, tree)
     assert half.passed is False and "0002-b.patch" in half.summary
-    assert ident.check_patched_differs(["ggml/include/ggml.h", "src/llama.cpp"], series).passed is True
+    assert ident.check_patched_differs(["ggml/include/ggml.h", "src/llama.cpp"], series, tree).passed is True
+
+
+def test_every_file_of_every_patch_must_be_as_the_patch_says(tmp_path: Path) -> None:
+    # a four-file patch: one changed file used to count as "every patch is present"
+    four = {"0001-four.patch": [_fp("src/a.cpp", "src/a.cpp"), _fp("src/b.cpp", "src/b.cpp"),
+                                _fp(None, "src/new.cpp"), _fp("src/old.cpp", None)]}
+    tree = _tree(tmp_path / "t", ["src/a.cpp", "src/b.cpp", "src/new.cpp"])
+    changed = ["src/a.cpp", "src/b.cpp", "src/new.cpp", "src/old.cpp"]
+    assert ident.check_patched_differs(changed, four, tree).passed is True
+    one = ident.check_patched_differs(["src/a.cpp"], four, tree)
+    assert one.passed is False and "src/b.cpp unchanged" in one.summary, one.summary
+    assert "1 of 4 files as the patch says" in one.evidence[1]
+    missing = ident.check_patched_differs(changed, four, _tree(tmp_path / "m", ["src/a.cpp", "src/b.cpp"]))
+    assert missing.passed is False and "src/new.cpp missing" in missing.summary
+    kept = ident.check_patched_differs(changed, four, _tree(tmp_path / "k", [*changed]))
+    assert kept.passed is False and "src/old.cpp still there" in kept.summary
+    # a file a later patch deletes again is expected gone; docs/ is never exported, so never compared
+    later = {**four, "0002-drop.patch": [_fp("src/new.cpp", None), _fp("docs/x.md", "docs/x.md")]}
+    tree2 = _tree(tmp_path / "l", ["src/a.cpp", "src/b.cpp"])
+    assert ident.check_patched_differs(changed, later, tree2).passed is True
+
+
+def test_no_series_fails_the_sources_check(tmp_path: Path) -> None:
+    cfg = ident.VerifyConfig(work=tmp_path, pristine=(tmp_path, None), patched=(tmp_path, None))
+    with pytest.raises(OpencotiError, match="no patches folder and no --patch-file"):
+        ident.required_patches(cfg)
+    with pytest.raises(OpencotiError, match="series and no --patch-file"):
+        ident.required_patches(replace(cfg, series_dir=tmp_path / "patches"))
+    c = ident.check_patched_differs(["README.md"], {}, tmp_path, "no patches folder and no --patch-file")
+    assert c.passed is False and "no patch to verify" in c.summary
 
 
 def _fake_build(tmp: Path, label: str, libs: dict[str, bytes]) -> b.BuildResult:
@@ -212,13 +289,43 @@ def _verify(cfg: ident.VerifyConfig, tmp: Path) -> dict[str, object]:
     return data
 
 
+def _series(tmp: Path, diff: Path) -> Path:
+    """A patches folder whose series is the one patch ``diff`` (with a header)."""
+    series = tmp / "patches"
+    series.mkdir()
+    (series / "0001-x.patch").write_text("From: t <t@t>\nSubject: [PATCH] x\n\n---\n" + diff.read_text())
+    (series / "series").write_text("0001-x.patch\n")
+    return series
+
+
 def test_pipeline_complete_run_passes(fake_pipeline: ident.VerifyConfig, tmp_path: Path) -> None:
     data = _verify(replace(fake_pipeline, repro=True), tmp_path)
     assert data["verdict"] == "PASS", [(c["name"], c["status"], c["summary"]) for c in data["checks"]]
+    assert {c["stage"] for c in data["checks"]} == set(ident.REQUIRED_STAGES)
+
+
+def test_pipeline_readme_edit_without_a_series_fails(fake_pipeline: ident.VerifyConfig,
+                                                     tmp_path: Path) -> None:
+    # the patched tree differs from pristine by a README edit only, and no series says what it should hold
+    patched = tmp_path / "patched-tree"
+    shutil.copytree(fake_pipeline.pristine[0], patched)
+    (patched / "README.md").write_text("edited\n")
+    for series_dir in (None, tmp_path / "no-patches"):
+        data = _verify(replace(fake_pipeline, patched=(patched, None), patch_files=(), series_dir=series_dir,
+                               repro=True), tmp_path)
+        assert data["verdict"] == "FAIL" and data["checks"][0]["stage"] == "sources"
+        assert "no patch to verify" in data["checks"][0]["summary"], data["checks"][0]
+    # with the series (one patch, not in the tree): FAIL too, naming the patch
+    series = _series(tmp_path, fake_pipeline.patch_files[0])
+    data = _verify(replace(fake_pipeline, patched=(patched, None), patch_files=(), series_dir=series,
+                           repro=True), tmp_path)
+    assert data["verdict"] == "FAIL" and "0001-x.patch" in data["checks"][0]["summary"]
 
 
 def test_pipeline_series_not_applied_fails(fake_pipeline: ident.VerifyConfig, tmp_path: Path) -> None:
-    data = _verify(replace(fake_pipeline, patch_files=()), tmp_path)  # pristine compared with itself
+    series = _series(tmp_path, fake_pipeline.patch_files[0])
+    # the series says 0001-x.patch, but pristine is compared with itself
+    data = _verify(replace(fake_pipeline, patch_files=(), series_dir=series), tmp_path)
     assert data["verdict"] == "FAIL"
     assert "identical to pristine" in data["checks"][0]["summary"]
 
@@ -232,6 +339,9 @@ def test_pipeline_skip_repro_is_incomplete(fake_pipeline: ident.VerifyConfig, tm
     data = _verify(replace(fake_pipeline, repro=False), tmp_path)
     assert data["verdict"] == "INCOMPLETE"
     assert data["not_checked"] == ["reproducibility: same tree built twice"]
+    with pytest.raises(CheckFailed, match="INCOMPLETE"):
+        ident.raise_on_failure(data)
+    ident.raise_on_failure(data, accept_not_checked=["reproducibility"])  # named: accepted
 
 
 # ------------------------------------------------------------ object files of a real (tiny) ninja build

@@ -420,7 +420,7 @@ def test_cli_exit_codes_and_json(series: Series) -> None:
     assert res.exit_code == 0 and "inserted" not in res.output
 
     res = runner.invoke(cli, ["markers", "--patches-dir", str(series.root / "nowhere")])
-    assert res.exit_code == 1 and "no series file" in res.output
+    assert res.exit_code == 1 and "no patches folder" in res.output
 
 
 def test_cli_diff_option(series: Series, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Unit tests of the RPC layout check (opencoti_patch.quality.multidevice): log parsing and the verdicts, on
+"""Unit tests of the RPC layout check (opencoti_patch.lab.multidevice): log parsing and the verdicts, on
 synthetic logit dumps and llama.cpp log lines (the real run: tests/test_build_real.py, ci/device/rpc.sh)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from opencoti_patch.errors import OpencotiError
-from opencoti_patch.quality import multidevice as md
+from opencoti_patch.errors import CheckFailed, OpencotiError
+from opencoti_patch.lab import multidevice as md
 
 N_VOCAB = 8
 
@@ -84,7 +84,8 @@ def test_evaluate_passes_on_a_consistent_layout(tmp_path: Path) -> None:
 def test_evaluate_catches_each_failure(tmp_path: Path) -> None:
     def failed(**kw: object) -> set[str]:
         out = md.evaluate(_runs(tmp_path, **kw), N_VOCAB)  # type: ignore[arg-type]
-        return {c["name"] for c in out["checks"] if not c["ok"]}
+        assert out["verdict"] == ("PASS" if out["passed"] else "FAIL")
+        return {c["name"] for c in out["checks"] if c["passed"] is not True}
 
     # one float of select-all off by a tiny amount is a failure: the plumbing must be exact
     assert failed(selectall_delta=1e-6) == {"select-all = dense (split)"}
@@ -102,6 +103,18 @@ def test_evaluate_catches_each_failure(tmp_path: Path) -> None:
     assert failed(sparse_nodes=320) == {"the selection runs (split)"}
     with pytest.raises(OpencotiError, match="select-all"):
         md.raise_on_failure(md.evaluate(_runs(tmp_path, selectall_delta=1.0), N_VOCAB))
+
+
+def test_no_check_is_incomplete_never_pass(tmp_path: Path) -> None:
+    # the dict checks used to pass on an empty list: all([]) is True
+    with pytest.raises(CheckFailed, match="INCOMPLETE"):
+        md.raise_on_failure({"checks": []})
+    out = md.evaluate(_runs(tmp_path), N_VOCAB)
+    assert out["verdict"] == "PASS" and {c["stage"] for c in out["checks"]} == set(md.STAGES)
+    partial = {"checks": [c for c in out["checks"] if c["stage"] != "side-cache"]}  # a stage absent
+    assert md.result_verdict(partial).missing_stages == ("side-cache",)
+    with pytest.raises(CheckFailed, match="INCOMPLETE"):
+        md.raise_on_failure(partial)
 
 
 def test_variant_args() -> None:
@@ -180,5 +193,5 @@ def test_sparse_split_within_the_dense_layouts_own_difference(tmp_path: Path) ->
     out = md.evaluate(runs, N_VOCAB)
     assert out["passed"], out["checks"]
     _dump(runs["split-sparse"].dump, sparse + 40 * wobble)  # far from sparse local: fails
-    bad = {c["name"] for c in md.evaluate(runs, N_VOCAB)["checks"] if not c["ok"]}
+    bad = {c["name"] for c in md.evaluate(runs, N_VOCAB)["checks"] if c["passed"] is not True}
     assert bad == {"sparse split = sparse local"}

@@ -114,6 +114,10 @@ def test_clean_merge_naming_a_removed_identifier_stops_the_rebase_and_lists_it(n
     assert lines[first - 1:last] == REGION.strip("\n").split("\n")  # git's merge, staged in the tree
     status = named.run("status").stdout
     assert "0001-region.patch conflicted in src/a.c (names-clean-merge" in status
+    # status lists each region the names check stopped at, as the rebase did
+    assert (f"          left src/a.c:{first}-{last} (names-clean-merge): our region names 'use_kv_cur'"
+            in status) and "port each region listed" in status
+    assert json.loads(named.run("status", "--json").stdout)["rebase"]["left"] == outcome["left"]
     named.run("rebase", "--abort")
     out = named.run("rebase", "--to", PIN_B, code=3).stdout
     assert f"left          src/a.c:{first}-{last} (names-clean-merge): our region names 'use_kv_cur'" in out
@@ -182,3 +186,10 @@ def test_conflict_resolved_by_hand_is_checked_on_continue(named: Project) -> Non
     named.edit("src/a.c", REGION, FIXED)
     data = rebase_json(named, "--continue", code=0)
     assert not data["pending"] and data["outcomes"][0]["status"] == "resolved"
+
+
+def test_the_why_names_every_name() -> None:
+    from opencoti_patch.markers.resolve import names_why
+
+    why = names_why(["a1", "b2", "c3", "d4", "e5"])
+    assert "'a1', 'b2', 'c3', 'd4', 'e5'" in why and "more" not in why

@@ -459,7 +459,7 @@ def test_killed_apply_is_recovered(project: Project) -> None:
 
 
 def test_lock_contention(project: Project) -> None:
-    project.prepared()
+    two_patches(project)  # apply has a series to apply (an empty one is refused)
     settings = Settings.resolve()
     with tree_lock(settings):
         result = project.run("apply", code=5)

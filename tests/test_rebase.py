@@ -1,12 +1,13 @@
-"""The rebase's rough edges of issue 13, on tiny synthetic upstreams (fast, offline): abortable until
+"""The rebase's rough edges, on tiny synthetic upstreams (fast, offline): abortable until
 `snapshot` rewrote patches/, `status` advising the rebase (not a snapshot) during a conflict, skipped
 patches set aside (not deleted), and upstream.toml's default following the rewritten patches."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from stackutil import PIN_A, PIN_B, Project
+from stackutil import PIN_A, PIN_B, Project, make_sdist, upstream_toml
 from test_patchstack import head, two_patches
 
 from opencoti_patch.stack.series import read_series
@@ -132,7 +133,26 @@ def test_write_pin_then_abort_puts_the_default_back(project: Project) -> None:
 
 
 def _staleness(p: Project) -> list[str]:
-    from opencoti_patch.cli.build import _pin_and_staleness
+    from opencoti_patch.cli.builds import _pin_and_staleness
     from opencoti_patch.config import Settings
 
     return _pin_and_staleness(Settings.resolve(), None, None)[1]
+
+
+def test_a_conflicted_patchs_detail_names_only_the_files_that_conflicted(project: Project,
+                                                                         tmp_path: Path) -> None:
+    """The exact apply fails first at src/a.c (B shifted it), which git then merges cleanly; src/b.h
+    conflicts (B changed the line the patch edits): the detail, hunk and line are src/b.h's."""
+    (tmp_path / "src-b" / "src" / "b.h").write_text("#pragma once\nint b(int);\n")
+    sha_b = make_sdist(tmp_path / "src-b", project.sdist_b, top="pkg-2.0")
+    pins = {PIN_A: (project.sdist_a, project.sha_a), PIN_B: (project.sdist_b, sha_b)}
+    (project.patches / "upstream.toml").write_text(upstream_toml(pins, PIN_A))
+    project.prepared()
+    project.edit("src/a.c", "int line_10 = 10;", "int line_10 = 1000;")
+    project.edit("src/b.h", "int b(void);", "int b(void); // ours")
+    project.run("snapshot", "--new", "two-files")
+    out = project.run("rebase", "--to", PIN_B, "--json", code=3).stdout
+    (outcome,) = json.loads(out[out.index("{"):])["outcomes"]
+    assert outcome["files"] == ["src/b.h"] and outcome["status"] == "conflicted"
+    assert outcome["detail"].startswith("3-way merge conflicted in src/b.h; merged cleanly: src/a.c")
+    assert "src/a.c:" not in outcome["detail"] and outcome["hunk"] is None and outcome["line"] is None

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from opencoti_patch.errors import OpencotiError
-from opencoti_patch.quality import needle, prose, recall
-from opencoti_patch.quality.evaluate import parse_score
+from opencoti_patch.lab import batch, needle, prose, recall
+from opencoti_patch.lab import variants as variants_mod
+from opencoti_patch.lab.variants import parse_score
 
 LONG = ("This paragraph is long enough to count as prose for the corpus, because it has well over "
         "twenty-five words in it and it ends with a full stop like a real sentence does in running text.")
@@ -89,8 +90,8 @@ def test_needle_samples_avoid_sink_and_recent_blocks() -> None:
     for n_ctx in (4096, 32768):
         samples = needle.make_samples(7, n_ctx, 100, 5000)
         depths = [s.depth for s in samples]
-        assert min(depths) * n_ctx > needle.SINK + needle.BLOCK
-        assert (1 - max(depths)) * n_ctx > needle.RECENT + 2 * needle.BLOCK
+        assert min(depths) * n_ctx > variants_mod.SINK + variants_mod.BLOCK
+        assert (1 - max(depths)) * n_ctx > variants_mod.RECENT + 2 * variants_mod.BLOCK
         assert len({s.key for s in samples}) > 90
         assert {s.needle for s in samples} == set(range(len(needle.NEEDLES)))
     assert needle.make_samples(7, 4096, 10, 50) == needle.make_samples(7, 4096, 10, 50)
@@ -102,23 +103,23 @@ def test_needle_prompt_and_variants() -> None:
     p = s.prompt(paras, 5000)
     assert p.startswith(needle.HEADER) and p.endswith(needle.QUESTIONS[1])
     assert "\n\nThe pass key is 12345. Remember it." in p
-    vs = needle.variants_for(32768, [0.25, 0.125], [2048])
+    vs = variants_mod.variants_for(32768, [0.25, 0.125], [2048])
     names = [v.name for v in vs]
     assert names == ["dense", "sparse-25%", "sparse-12.5%", "sparse-2048t", "window-25%"]
-    assert [v.attended(32768) for v in vs[1:]] == [8192, 4096, 2048, 8192]
-    assert vs[1].json()["topk"] == 64 - 1 - 3
+    assert [v.attended_tokens(32768) for v in vs[1:]] == [8192, 4096, 2048, 8192]
+    assert vs[1].variant_json()["topk"] == 64 - 1 - 3
     # at 16K the fixed 2048 tokens are the 12.5% budget: not run twice
-    assert [v.name for v in needle.variants_for(16384, [0.25, 0.125], [2048])][3] == "window-25%"
-    assert vs[0].json() == {"name": "dense", "sparse_attn": False}
+    assert [v.name for v in variants_mod.variants_for(16384, [0.25, 0.125], [2048])][3] == "window-25%"
+    assert vs[0].variant_json() == {"name": "dense", "sparse_attn": False}
     # 12.5% of 4K is only the sink + recent blocks: no top-k, not run
-    assert [v.name for v in needle.variants_for(4096, [0.25, 0.125], [2048])] == ["dense", "sparse-25%",
+    assert [v.name for v in variants_mod.variants_for(4096, [0.25, 0.125], [2048])] == ["dense", "sparse-25%",
                                                                                   "window-25%"]
     # a second block size: its own variants at the same attended budgets (sink 128 and recent 256 tokens are
     # 4 and 9 blocks of 32), the window still that of the first
-    vb = needle.variants_for(8192, [0.25], [], blocks=[128, 32])
+    vb = variants_mod.variants_for(8192, [0.25], [], blocks=[128, 32])
     assert [v.name for v in vb] == ["dense", "sparse-25%", "sparse-25%-b32", "window-25%"]
-    assert [v.attended(8192) for v in vb[1:]] == [2048, 2048, 2048]
-    assert vb[2].json()["block_size"] == 32 and vb[2].json()["topk"] == 64 - 4 - 9
+    assert [v.attended_tokens(8192) for v in vb[1:]] == [2048, 2048, 2048]
+    assert vb[2].variant_json()["block_size"] == 32 and vb[2].variant_json()["topk"] == 64 - 4 - 9
 
 
 def test_needle_kept_sees_the_needle_block_and_the_window_does_not() -> None:
@@ -132,11 +133,11 @@ def test_needle_kept_sees_the_needle_block_and_the_window_does_not() -> None:
 
 
 def test_report_command_hides_machine_paths() -> None:
-    from opencoti_patch.cli.selector import _command
+    from opencoti_patch.lab.runinfo import command_line
 
-    cmd = _command(["selector", "needles", "--build", "/opt/me/b", "--samples", "4096:16", "--prose=/usr/x",
-                    "--layers", "5,11,17"])
-    assert cmd == ("opencoti-patch selector needles --build <build> --samples 4096:16 --prose=<docs-dir> "
+    cmd = command_line(["lab", "selector", "needles", "--build", "/opt/me/b", "--samples", "4096:16",
+                        "--prose=/usr/x", "--layers", "5,11,17"])
+    assert cmd == ("opencoti-patch lab selector needles --build <build> --samples 4096:16 --prose=<docs-dir> "
                    "--layers 5,11,17")
 
 
@@ -200,11 +201,11 @@ def test_recall_splits_share_one_reference_oracle() -> None:
 
 
 def test_report_template_renders_an_older_report_unchanged() -> None:
-    """Reports without splits (docs/results/quality-selector.json) render as they were committed."""
+    """Reports without splits (tests/data/quality-selector.json) render as they were committed."""
     from opencoti_patch.config import Settings
     from opencoti_patch.report import render
 
-    docs = Path(__file__).resolve().parents[1] / "docs" / "results"
+    docs = Path(__file__).resolve().parent / "data"
     data = json.loads((docs / "quality-selector.json").read_text())
     context = {"recall": None, "passkey": None, "fidelity": None, "needles": None, **data}
     out = render(Settings.resolve().templates_dirs, "quality-selector.md.j2", **context)
@@ -213,12 +214,17 @@ def test_report_template_renders_an_older_report_unchanged() -> None:
 
 def test_harness_command_offloads_and_passes_flags_through() -> None:
     """The device runs need -ngl 99 (the default stays CPU: -ngl 0); passed-through flags come last."""
-    cmd = needle.batch_command(Path("h"), Path("m.gguf"), 4096, Path("v"), Path("r"), threads=2)
+    cpu = batch.Harness(Path("h"), Path("m.gguf"), threads=2, extra=("--swa-full",))
+    cmd = cpu.command(4096, Path("r"), variants_file=Path("v"))
     assert cmd[cmd.index("-ngl") + 1] == "0" and cmd[-1] == "--swa-full"
-    off = needle.Offload(99, ("-ub", "1024"))
-    cmd = needle.batch_command(Path("h"), Path("m.gguf"), 4096, Path("v"), Path("r"), threads=4, offload=off)
+    assert cmd[cmd.index("--variants") + 1] == "v"
+    off = batch.Offload(99, ("-ub", "1024"))
+    gpu = batch.Harness(Path("h"), Path("m.gguf"), threads=4, extra=("--swa-full",), offload=off)
+    cmd = gpu.command(4096, Path("r"), variants_file=Path("v"))
     assert cmd[cmd.index("-ngl") + 1] == "99" and cmd[-2:] == ["-ub", "1024"]
     assert cmd[cmd.index("-c") + 1] == "4096" and cmd[cmd.index("-t") + 1] == "4"
+    cfg = variants_mod.sparse_variant(4096, 1024, "sparse-25%")  # a config on the command line comes last
+    assert gpu.command(4096, Path("r"), cfg)[-len(cfg.args()):] == cfg.args()
 
 
 def test_passkey_samples_per_filler_text() -> None:
@@ -237,19 +243,19 @@ def test_passkey_samples_per_filler_text() -> None:
 def _cli_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], dict[str, object]]:
     """The selector CLI with a fake model, a small prose folder and no harness build: returns the base
     arguments and a dict where the faked runners record what they were given."""
-    from opencoti_patch.cli import selector as sel
+    from opencoti_patch.lab import selector as sel
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.html").write_text("".join(f"<p>{i} {LONG}</p>" for i in range(200)))
-    monkeypatch.setattr(sel._Env, "exe", lambda self, target: tmp_path / target)
+    monkeypatch.setattr(sel.Workspace, "exe", lambda self, target: tmp_path / target)
     seen: dict[str, object] = {}
 
-    def fake_passkey(*args: object, **kw: object) -> dict[str, object]:
-        seen.update(kw)
+    def fake_passkey(harness: batch.Harness, *args: object, **kw: object) -> dict[str, object]:
+        seen.update(kw, offload=harness.offload, threads=harness.threads)
         return {"contexts": {}, "needles": [], "questions": []}
 
-    monkeypatch.setattr(needle, "run_passkey", fake_passkey)
+    monkeypatch.setattr(needle, "prose_passkey", fake_passkey)
     base = ["--build", str(tmp_path / "b"), "--model", str(tmp_path / "m.gguf"), "--prose",
             str(tmp_path / "docs"), "--work-dir", str(tmp_path / "w"), "--out-dir", str(tmp_path / "out")]
     return base, seen
@@ -264,12 +270,12 @@ def test_selector_cli_passes_offload_and_per_doc(tmp_path: Path, monkeypatch: py
     res = CliRunner().invoke(cli, ["selector", "passkey", *base, "--samples", "4096:4", "--ngl", "99",
                                    "--harness-arg=-ub", "--harness-arg=1024", "--per-doc", "2"])
     assert res.exit_code == 0, res.output
-    assert seen["offload"] == needle.Offload(99, ("-ub", "1024")) and seen["per_doc"] == 2
+    assert seen["offload"] == batch.Offload(99, ("-ub", "1024")) and seen["per_doc"] == 2
     report = json.loads((tmp_path / "out" / "quality-selector.json").read_text())
     assert report["ngl"] == 99 and report["harness_args"] == ["-ub", "1024"]
     assert "-ngl 99" in report["machine"]  # a GPU run does not read as a CPU run
     res = CliRunner().invoke(cli, ["selector", "passkey", *base, "--samples", "4096:4"])
-    assert seen["offload"] == needle.Offload() and seen["per_doc"] == needle.PER_DOC
+    assert seen["offload"] == batch.Offload() and seen["per_doc"] == needle.PER_DOC
     report = json.loads((tmp_path / "out" / "quality-selector.json").read_text())
     assert res.exit_code == 0 and report["ngl"] == 0 and "-ngl" not in report["machine"]
 
@@ -300,13 +306,13 @@ def test_an_asked_offload_must_have_happened() -> None:
     """-ngl on a build without a GPU backend runs on the CPU silently: the log must show the layers."""
     log = Path("x.log")
     gpu = "load_tensors: offloading output layer to GPU\nload_tensors: offloaded 19/19 layers to GPU\n"
-    assert needle.check_offload(gpu, 99, log) == "19/19"
-    assert needle.check_offload("", 0, log) is None  # CPU asked: nothing to check
+    assert batch.check_offload(gpu, 99, log) == "19/19"
+    assert batch.check_offload("", 0, log) is None  # CPU asked: nothing to check
     with pytest.raises(OpencotiError, match="offloaded no layers"):
-        needle.check_offload("load_tensors: CPU_Mapped model buffer size = 253.3 MiB\n", 99, log)
+        batch.check_offload("load_tensors: CPU_Mapped model buffer size = 253.3 MiB\n", 99, log)
     with pytest.raises(OpencotiError, match="offloaded 10/19"):
-        needle.check_offload("load_tensors: offloaded 10/19 layers to GPU\n", 99, log)
-    assert needle.check_offload("load_tensors: offloaded 10/19 layers to GPU\n", 10, log) == "10/19"
+        batch.check_offload("load_tensors: offloaded 10/19 layers to GPU\n", 99, log)
+    assert batch.check_offload("load_tensors: offloaded 10/19 layers to GPU\n", 10, log) == "10/19"
 
 
 def test_passkey_harness_context_has_headroom_for_a_long_prompt(tmp_path: Path,
@@ -317,17 +323,18 @@ def test_passkey_harness_context_has_headroom_for_a_long_prompt(tmp_path: Path,
         needle.harness_ctx(8192, needle.CTX_HEADROOM)
     seen: list[int] = []
 
-    def fake_run_variants(exe: Path, model: Path, n_ctx: int, variants: list[needle.Variant],
-                          reqs: list[dict[str, object]], **kw: object) -> list[dict[str, object]]:
+    def fake_run_variants(self: batch.Harness, reqs: list[dict[str, object]], n_ctx: int,
+                          variants: list[variants_mod.AttnConfig], *a: object,
+                          **kw: object) -> list[dict[str, object]]:
         seen.append(n_ctx)
         return [{"id": r["id"], "variant": v.name, "n_tokens": 8189, "text": " 12345", "ms_decode": 1.0,
                  "ms_prefill": 1.0, "n_prefill": 8188, "reused": 0} for r in reqs for v in variants]
 
     monkeypatch.setattr(needle, "chars_per_token", lambda *a, **k: 4.0)
-    monkeypatch.setattr(needle, "run_variants", fake_run_variants)
+    monkeypatch.setattr(batch.Harness, "run_variants", fake_run_variants)
     paras = [LONG.replace("This", f"Text {i}") * 40 for i in range(12)]
-    res = needle.run_passkey(Path("harness"), Path("m.gguf"), paras, contexts={8192: 2}, shares=[0.25],
-                             fixed_tokens=[], seed=1, threads=1, log_dir=tmp_path, per_doc=1)
+    res = needle.prose_passkey(batch.Harness(Path("harness"), Path("m.gguf")), paras, contexts={8192: 2},
+                               shares=[0.25], fixed_tokens=[], seed=1, per_doc=1)
     assert seen == [8192 + needle.CTX_HEADROOM]
     assert res["contexts"]["8192"]["prompt_tokens"] == [8189, 8189]
 
@@ -351,7 +358,7 @@ def test_qk_dump_is_reused_only_for_the_same_text_and_arguments(tmp_path: Path,
     nothing."""
     import sys  # noqa: PLC0415
 
-    from opencoti_patch.cli import selector  # noqa: PLC0415
+    from opencoti_patch.lab import selector  # noqa: PLC0415
 
     calls = tmp_path / "calls"
     fake = tmp_path / "fake-dump"
@@ -362,7 +369,7 @@ def test_qk_dump_is_reused_only_for_the_same_text_and_arguments(tmp_path: Path,
                     "np.save(out / 'tokens.npy', np.arange(3))\n"
                     f"open({str(calls)!r}, 'a').write('x')\n")
     fake.chmod(0o755)
-    env = object.__new__(selector._Env)
+    env = object.__new__(selector.Workspace)
     env.model = tmp_path / "m.gguf"
     monkeypatch.setattr(env, "exe", lambda target: fake, raising=False)
     base = tmp_path / "needle-c4096-000-1234"
@@ -405,23 +412,23 @@ def test_sum_scorer_f16_sums_round_after_every_addition() -> None:
 def test_variants_per_block_score() -> None:
     """--scores max,mass: each score its own sparse variants at the same budgets, the harness told the
     score."""
-    vs = needle.variants_for(8192, [0.25], [], scores=["max", "mass"])
+    vs = variants_mod.variants_for(8192, [0.25], [], scores=["max", "mass"])
     assert [v.name for v in vs] == ["dense", "sparse-25%", "sparse-25%-mass", "window-25%"]
-    assert vs[1].json()["score"] == "max" and vs[2].json()["score"] == "mass"
-    assert vs[1].json()["topk"] == vs[2].json()["topk"]
+    assert vs[1].variant_json()["score"] == "max" and vs[2].variant_json()["score"] == "mass"
+    assert vs[1].variant_json()["topk"] == vs[2].variant_json()["topk"]
     # explicit, not the tree's defaults
-    assert vs[1].cfg.args()[-4:] == ["--sparse-attn-score", "max", "--sparse-attn-page-size", "16"]
-    assert vs[2].cfg.args()[-4:-2] == ["--sparse-attn-score", "mass"]
-    assert vs[3].cfg.score == "max"  # the window ranks nothing
-    both = needle.variants_for(8192, [0.25], [], blocks=[128, 32], scores=["max", "mass"])
+    assert vs[1].args()[-4:] == ["--sparse-attn-score", "max", "--sparse-attn-page-size", "16"]
+    assert vs[2].args()[-4:-2] == ["--sparse-attn-score", "mass"]
+    assert vs[3].score == "max"  # the window ranks nothing
+    both = variants_mod.variants_for(8192, [0.25], [], blocks=[128, 32], scores=["max", "mass"])
     assert [v.name for v in both][1:5] == ["sparse-25%", "sparse-25%-mass", "sparse-25%-b32",
                                            "sparse-25%-b32-mass"]
     # a first score or block size other than the defaults says so in its name (a report row named plain
     # `sparse-25%` is MAX over 128-token blocks); the window keeps its plain name
-    other = needle.variants_for(8192, [0.25], [2048], blocks=[32], scores=["maxmean", "maxmean-p4"])
+    other = variants_mod.variants_for(8192, [0.25], [2048], blocks=[32], scores=["maxmean", "maxmean-p4"])
     assert [v.name for v in other] == ["dense", "sparse-25%-b32-maxmean", "sparse-25%-b32-maxmean-p4",
                                        "window-25%"]
-    fixed = needle.variants_for(8192, [], [1024], scores=["maxmean"])
+    fixed = variants_mod.variants_for(8192, [], [1024], scores=["maxmean"])
     assert [v.name for v in fixed] == ["dense", "sparse-1024t-maxmean", "window-1024t"]
 
 
@@ -429,19 +436,20 @@ def test_oracle_variant_is_the_mass_score_over_one_cell_pages() -> None:
     """--scores oracle: the MASS score with pages of one cell (the keys themselves), in the harness variant
     and in the llama.cpp flags alike; a plain score runs 16-cell pages, named, whatever the tree's default
     (automatic since 2026-12-06), and <score>-pauto the automatic size."""
-    vs = needle.variants_for(8192, [0.25], [], scores=["max", "oracle"])
+    vs = variants_mod.variants_for(8192, [0.25], [], scores=["max", "oracle"])
     assert [v.name for v in vs] == ["dense", "sparse-25%", "sparse-25%-oracle", "window-25%"]
-    assert vs[1].json()["page_size"] == 16
-    assert {k: vs[2].json()[k] for k in ("score", "page_size")} == {"score": "mass", "page_size": 1}
-    assert vs[2].cfg.args()[-4:] == ["--sparse-attn-score", "mass", "--sparse-attn-page-size", "1"]
-    mass = needle.variants_for(8192, [0.25], [], scores=["mass"])[1]
-    assert mass.cfg.args()[-4:] == ["--sparse-attn-score", "mass", "--sparse-attn-page-size", "16"]
-    auto = needle.variants_for(8192, [0.25], [], scores=["maxmean-pauto"])[1]
-    assert auto.name == "sparse-25%-maxmean-pauto" and auto.json()["page_size"] == 0
-    assert auto.cfg.args()[-2:] == ["--sparse-attn-page-size", "0"]
-    p4 = needle.variants_for(8192, [0.25], [], scores=["max", "max-p4"])[2]
-    assert p4.name == "sparse-25%-max-p4" and p4.json()["page_size"] == 4 and p4.json()["score"] == "max"
-    assert p4.cfg.args()[-4:] == ["--sparse-attn-score", "max", "--sparse-attn-page-size", "4"]
+    assert vs[1].variant_json()["page_size"] == 16
+    assert {k: vs[2].variant_json()[k] for k in ("score", "page_size")} == {"score": "mass", "page_size": 1}
+    assert vs[2].args()[-4:] == ["--sparse-attn-score", "mass", "--sparse-attn-page-size", "1"]
+    mass = variants_mod.variants_for(8192, [0.25], [], scores=["mass"])[1]
+    assert mass.args()[-4:] == ["--sparse-attn-score", "mass", "--sparse-attn-page-size", "16"]
+    auto = variants_mod.variants_for(8192, [0.25], [], scores=["maxmean-pauto"])[1]
+    assert auto.name == "sparse-25%-maxmean-pauto" and auto.variant_json()["page_size"] == 0
+    assert auto.args()[-2:] == ["--sparse-attn-page-size", "0"]
+    p4 = variants_mod.variants_for(8192, [0.25], [], scores=["max", "max-p4"])[2]
+    assert p4.name == "sparse-25%-max-p4"
+    assert p4.variant_json()["page_size"] == 4 and p4.variant_json()["score"] == "max"
+    assert p4.args()[-4:] == ["--sparse-attn-score", "max", "--sparse-attn-page-size", "4"]
     for bad in ("max-p0", "max-px", "sum-p4", "oracle-p2"):
         with pytest.raises(OpencotiError):
             parse_score(bad)
@@ -512,8 +520,9 @@ def test_passkey_counts_lost_and_gained_answers_paired_with_dense(tmp_path: Path
     # dense right on the first three; the sparse variant right on the first and the last
     right = {"dense": set(sids[:3]), "sparse-25%": {sids[0], sids[3]}}
 
-    def fake_run_variants(exe: Path, model: Path, n_ctx: int, variants: list[needle.Variant],
-                          reqs: list[dict[str, object]], **kw: object) -> list[dict[str, object]]:
+    def fake_run_variants(self: batch.Harness, reqs: list[dict[str, object]], n_ctx: int,
+                          variants: list[variants_mod.AttnConfig], *a: object,
+                          **kw: object) -> list[dict[str, object]]:
         out = []
         for r in reqs:
             for v in variants:
@@ -524,9 +533,9 @@ def test_passkey_counts_lost_and_gained_answers_paired_with_dense(tmp_path: Path
         return out
 
     monkeypatch.setattr(needle, "chars_per_token", lambda *a, **k: 4.0)
-    monkeypatch.setattr(needle, "run_variants", fake_run_variants)
-    res = needle.run_passkey(Path("harness"), Path("m.gguf"), paras, contexts={8192: 4}, shares=[0.25],
-                             fixed_tokens=[], seed=1, threads=1, log_dir=tmp_path, per_doc=1)
+    monkeypatch.setattr(batch.Harness, "run_variants", fake_run_variants)
+    res = needle.prose_passkey(batch.Harness(Path("harness"), Path("m.gguf")), paras, contexts={8192: 4},
+                               shares=[0.25], fixed_tokens=[], seed=1, per_doc=1)
     v = res["contexts"]["8192"]["variants"]
     assert (v["dense"]["correct"], v["dense"]["lost"], v["dense"]["gained"]) == (3, 0, 0)
     assert (v["sparse-25%"]["correct"], v["sparse-25%"]["lost"], v["sparse-25%"]["gained"]) == (2, 2, 1)
@@ -536,7 +545,7 @@ def test_passkey_counts_lost_and_gained_answers_paired_with_dense(tmp_path: Path
     from opencoti_patch.report import render  # noqa: PLC0415
 
     res.update(command="opencoti-patch selector passkey", n_generate=8)
-    docs = Path(__file__).resolve().parents[1] / "docs" / "results"
+    docs = Path(__file__).resolve().parent / "data"
     data = json.loads((docs / "quality-selector.json").read_text())
     context = {"recall": None, "fidelity": None, "needles": None, **data, "passkey": res}
     md = render(Settings.resolve().templates_dirs, "quality-selector.md.j2", **context)

@@ -1,7 +1,8 @@
-"""quality/served.py: the passkey set through llama-server, one at a time vs several at a time."""
+"""lab/serving/passkey.py: the passkey set through llama-server, one at a time vs several at a time."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_llama_server import FakeLlamaServer  # noqa: E402
 
-from opencoti_patch.quality import served  # noqa: E402
-from opencoti_patch.quality.loadtest import HttpClientTransport  # noqa: E402
-from opencoti_patch.quality.needle import Sample  # noqa: E402
+from opencoti_patch.lab.needle import Sample  # noqa: E402
+from opencoti_patch.lab.serving import passkey as served  # noqa: E402
+from opencoti_patch.lab.serving.http import HttpClientTransport  # noqa: E402
 
 PARAGRAPHS = [f"Paragraph {i} tells of river number {i} and of the towns along its banks, one after another."
               for i in range(1000)]
@@ -130,3 +131,69 @@ def test_served_command_options_reach_the_server(tmp_path: Path) -> None:
     assert not isinstance(res.exception, TypeError), res.exception
     res = CliRunner().invoke(cli, [*base, "--harness-arg=-ub"])
     assert res.exit_code == 2 and "--server-args" in res.output, res.output
+
+
+def test_a_control_that_finds_nothing_proves_nothing() -> None:
+    # dense 0/10 and sparse 0/10 in both modes used to PASS: no loss anywhere
+    ps = prompts(10)
+    keys = {p.sample.sid: p.sample.key for p in ps}
+    res = {v: {m: rows(keys, set()) for m in served.MODES} for v in ("dense", "sparse")}
+    out = served.summarize(res, ps, tolerance=1)
+    assert out["verdict"] == "INCOMPLETE", out["failed"]
+    assert any("below the floor of 25%" in f for f in out["failed"])
+    lone = served.summarize({"dense": res["dense"]}, ps, tolerance=1)
+    assert lone["verdict"] == "INCOMPLETE"
+    res["dense"] = {m: rows(keys, set(list(keys)[:3])) for m in served.MODES}  # 3/10: above the floor
+    assert served.summarize(res, ps, tolerance=1)["verdict"] == "PASS"
+    assert served.summarize(res, ps, tolerance=1, min_control=0.5)["verdict"] == "INCOMPLETE"
+
+
+def test_an_empty_mode_is_not_checked() -> None:
+    ps = prompts(6)
+    keys = {p.sample.sid: p.sample.key for p in ps}
+    every = set(keys)
+    res = {"dense": {"sequential": rows(keys, every), "concurrent": []},
+           "sparse": {"sequential": rows(keys, every), "concurrent": []}}
+    out = served.summarize(res, ps, tolerance=1)
+    assert out["verdict"] == "INCOMPLETE"
+    assert "dense concurrent: no request served: not checked" in out["failed"]
+    # a mode that answered only some prompts fails
+    res = {"dense": {"sequential": rows(keys, every), "concurrent": rows(keys, every)[:4]}}
+    out = served.summarize(res, ps, tolerance=1)
+    assert out["verdict"] == "FAIL" and "dense concurrent: 2 never answered" in out["failed"]
+
+
+class NextKeyTransport:
+    """A server that answers every request with the key of the next prompt of the set (a slot mix-up):
+    served concurrently by dense and sparse alike."""
+
+    name = "stub"
+
+    def __init__(self, ps: list[served.Prompt], mixed: bool) -> None:
+        self.by_text = {p.text: i for i, p in enumerate(ps)}
+        self.keys = [p.sample.key for p in ps]
+        self.mixed = mixed
+
+    def post(self, url: str, body: dict[str, Any], timeout: float) -> tuple[int, bytes]:
+        i = self.by_text[body["prompt"]]
+        key = self.keys[(i + 1) % len(self.keys)] if self.mixed else self.keys[i]
+        return 200, json.dumps({"content": f" {key}.", "tokens_evaluated": 100}).encode()
+
+
+def test_answers_with_another_requests_key_fail() -> None:
+    ps = served.build_prompts(PARAGRAPHS, words, n_ctx=2048, count=8, seed=5, n_predict=4)
+    res: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for v in ("dense", "sparse"):
+        res[v] = {}
+        for m, conc in zip(served.MODES, (1, 4), strict=True):
+            stub: Any = NextKeyTransport(ps, mixed=m == "concurrent")
+            res[v][m] = served.serve_mode(stub, "http://x", ps, concurrency=conc, n_predict=4)
+    out = served.summarize(res, ps, tolerance=1)
+    # every concurrent answer is another request's key: both lose everything, so the losses were equal
+    assert out["table"]["sparse"]["concurrent"]["correct"] == 0
+    assert out["verdict"] == "FAIL", out["failed"]
+    assert any("8 answer(s) hold another request's key" in f for f in out["failed"])
+    # a stale "correct" flag is not trusted: the answer is judged against the request's own key
+    for r in res["sparse"]["concurrent"]:
+        r["correct"] = True
+    assert served.summarize(res, ps, tolerance=1)["table"]["sparse"]["concurrent"]["correct"] == 0

@@ -42,3 +42,13 @@ def test_evidence_problem() -> None:
     assert "nothing to compare" in (evidence_problem([0.0, 0.0, 0.0]) or "")
     assert evidence_problem([0.0, 0.0], allow_constant=True) is None
     assert evidence_problem([0.5, 1.5]) is None
+
+
+def test_a_required_stage_skipped_on_purpose_is_accepted_by_name() -> None:
+    # --skip-repro: the reproducibility stage is required, has no passed check, but says "not checked"
+    v = verdict_of([Check("a", "x", True, "ok"), Check("b", "repro", None, "skipped")], ["x", "repro"])
+    assert v.verdict == "INCOMPLETE" and v.missing_stages == ("repro",)
+    assert v.accepts(["repro"]) and not v.accepts([]) and not v.accepts(["x"])
+    # a required stage with no check at all stays unaccepted, even named
+    v = verdict_of([Check("a", "x", True, "ok"), Check("b", "repro", None, "skipped")], ["x", "repro", "y"])
+    assert not v.accepts(["repro", "y"])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from opencoti_patch.build import builder as b  # noqa: E402
+from opencoti_patch.builds import builder as b  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

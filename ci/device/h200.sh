@@ -15,30 +15,35 @@
 #
 # Inputs (carried in the working tree): .carry/llama-src.tar.gz, a slim pinned tree (top folder
 # llama.cpp/) with the patch series already applied, or pristine plus patches/series to apply here.
-# `bench pack` stamps it with the digest of patches/: start and resume refuse a tree packed beside another
+# `lab bench pack` stamps it with the digest of patches/: start and resume refuse a tree packed beside another
 # state of the series (pack again; OPENCOTI_ALLOW_STALE_TREE=1 builds it anyway).
-# `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch bench pack --rev upstream/<pin>
+# `pipeline` instead: .carry/llama-pristine.tar.gz (`opencoti-patch lab bench pack --rev upstream/<pin>
 # --out .carry/llama-pristine.tar.gz`: the machine cannot download the pinned sdist) and
 # .carry/wheels/ (GitPython, gitdb, smmap: the one dependency the machine's python lacks).
 # Stages (default: tests bench budgets bench-q8 bench-14b): also bench-b32 (the bench budget in 32-token blocks),
 # bench-pp (llama-bench pp512 after BENCH_PP_DEPTHS cells, default 32768,65536, dense and sparse), perf, batched,
 # rebuild-cost, test-fa-all, serving,
-# quality (ci/device/quality.sh fg: issue 10's selector quality on real prose, Gemma 3 270M), batched4,
+# quality (ci/device/quality.sh fg: the selector's quality on real prose, Gemma 3 270M), batched4,
 # batched8 (llama-batched-bench B = 4 and 8 at BATCHED8_NPP cells each, unified and per sequence),
-# rpc (issue 15: layers split between CUDA0 and a ggml-rpc-server on loopback, ci/device/rpc.sh),
+# rpc (layers split between CUDA0 and a ggml-rpc-server on loopback, ci/device/rpc.sh),
 # profile (a kernel timeline of llama-bench at each of PROFILE_DEPTHS, default 131072, dense and sparse, and with
 # PROFILE_PP="off on" of a prompt of PROFILE_PP_NPP tokens, default 32768: kernel-trace.cpp + kernel_profile.py),
 # longctx (decode at a synthetic depth, LONGCTX_CASES "KV:DEPTH ..." default "f16:131072 f16:524288 q8_0:1048576",
 # dense and sparse (LONGCTX_TOPK x LONGCTX_BLOCK, default 32 x 128, block score LONGCTX_SCORE, default maxmean),
-# traced: the harness's --synthetic-depth tiles a 4096-token prompt's state to the depth; `bench report` reads the
+# traced: the harness's --synthetic-depth tiles a 4096-token prompt's state to the depth; `lab bench report` reads the
 # JSONs as model "8b-synth")
 # (PROFILE_DEPTHS=" " leaves the decode timelines out)
 # (BENCH_DEPTHS: the depths of the bench stage, default 0,8192,16384,32768,65536,131072; BENCH_ARGS: more llama-bench
 # arguments for it, e.g. "-sadt 0,1": the layer rule off and on, and dense twice, which shows the run-to-run spread;
 # "-sap 16,4 -sasc max,maxmean": the key-sum page size and block score side by side, one dense row)
 # (SERVING_SHAPE: the serving stage's model, default 1b, used when OPENCOTI_SHAPES wrote it)
-# selbench (issue 12: ci/device/select-bench.cu, the fused select and its variants timed per phase, at SELBENCH_DEPTHS
-# cells, default "32768 131072 524288")
+# selbench (ci/device/select-bench.cu: the fused select against the floor kernels of
+# ci/device/candidates/select-floor.patch and the memory floor of the key sums, at SELBENCH_DEPTHS cases
+# N_KV[:PAGE[:SCORE[:N_BATCH]]], default "32768:4 131072:16 524288:16 1048576:16 131072:16:maxmean:4"; fails when the
+# block lists differ), bench-nofloor and longctx-nofloor (the sparse rows of bench / longctx with
+# GGML_CUDA_SPARSE_SELECT_FLOOR=0: the fused select in the same build, for the floor candidate's A/B; longctx-nofloor
+# writes $LOG/nofloor/, run nofloor/longctx of `bench report`); the tests stage also runs test-select-nofloor (SELECT
+# with the fused kernel where the floor kernels would run)
 # CANDIDATES: patch files (paths in the working tree, space-separated) applied with `git apply` over the carried tree
 # by start and resume: a change to try on the GPU before it joins the series, e.g.
 # CANDIDATES=ci/device/candidates/NAME.patch (resume with the same list keeps it applied; see ci/device/candidates/README.md)
@@ -50,7 +55,7 @@ SRC=$W/llama.cpp
 BUILD=$W/build
 BIN=$BUILD/bin
 CUDA=${OPENCOTI_DEVICE_CUDA:-1}          # 0: CPU-only dry run of this script on a developer machine
-SHAPES=${OPENCOTI_SHAPES:-8b 14b}        # random-weight models to write (opencoti_patch.build.synth_gguf)
+SHAPES=${OPENCOTI_SHAPES:-8b 14b}        # random-weight models to write (opencoti_patch.verify.synth_gguf)
 M8B=${OPENCOTI_M8B:-$W/m-8b-q4_0.gguf}
 M14B=${OPENCOTI_M14B:-$W/m-14b-q4_0.gguf}
 NGL=99; BACKEND=CUDA0; GPU_FLAG=--cuda; PIPE_LABEL=cuda
@@ -133,7 +138,7 @@ write_models() {
     export PYTHONPATH=$ROOT
     for shape in $SHAPES; do
         [ -s "$W/m-$shape-q4_0.gguf" ] && continue # written by an earlier run on this machine (resume)
-        python3 -m opencoti_patch.build.synth_gguf "$W/m-$shape-q4_0.gguf" --shape "$shape" --type q4_0 --tree "$SRC" || return 1
+        python3 -m opencoti_patch.verify.synth_gguf "$W/m-$shape-q4_0.gguf" --shape "$shape" --type q4_0 --tree "$SRC" || return 1
     done
 }
 
@@ -200,6 +205,29 @@ pipeline() {
     run_stage pipe-rebuild bash ci/rebuild.sh $GPU_FLAG rebuild || return 1
 }
 
+longctx_cases() { # sub modes...: the LONGCTX_CASES decoded at a synthetic depth in each mode (off: dense, on: sparse),
+    # traced; the harness JSONs in $LOG/<sub>/ (a run of its own for `bench report`), in $LOG/ for sub ""
+    local sub=$1; shift
+    local out=$LOG${sub:+/$sub} tag=${sub:+$sub-} c sa
+    mkdir -p "$out"
+    run_stage longctx-harness build_harness_single || return 1
+    local tracer=0; run_stage build-tracer build_tracer && tracer=1
+    for c in ${LONGCTX_CASES:-f16:131072 f16:524288 q8_0:1048576}; do
+        local kv=${c%%:*} d=${c##*:} k=${LONGCTX_TOPK:-32} b=${LONGCTX_BLOCK:-128}
+        local sc=${LONGCTX_SCORE:-maxmean}
+        for sa in "$@"; do
+            # the name carries what `bench report` needs: KV type, depth, dense or top-k x block and score
+            local name=longctx-$kv-$d-dense; [ "$sa" = on ] && name=longctx-$kv-$d-k$k-b$b-$sc
+            local cmd=("$W/harness/opencoti-harness" -m "$M8B" -ngl $NGL -fa on -ctk "$kv" -ctv "$kv" -t 8
+                --prompt-tokens 4096 --synthetic-depth "$d" --decode "${LONGCTX_DECODE:-40}" --warmup 8
+                --sparse-attn "$sa" --sparse-attn-topk "$k" --sparse-attn-block-size "$b"
+                --sparse-attn-score "$sc" --json "$out/$name.json")
+            if [ $tracer = 1 ]; then run_stage "$tag$name" traced "$tag$name-profile" "${cmd[@]}"
+            else run_stage "$tag$name" "${cmd[@]}"; fi
+        done
+    done
+}
+
 start() {
     needs_server "$@" && export BUILD_SERVER=1
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv > "$LOG/gpu.txt" 2>&1
@@ -233,6 +261,9 @@ start() {
         tests)
             run_stage test-fill   "$BIN/test-backend-ops" -o SPARSE_ATTN_FILL -b $BACKEND
             run_stage test-select "$BIN/test-backend-ops" -o SPARSE_ATTN_SELECT -b $BACKEND
+            # the fused select kernel where the floor kernels would run (its fallback: no cp.async, shared memory)
+            GGML_CUDA_SPARSE_SELECT_FLOOR=0 run_stage test-select-nofloor "$BIN/test-backend-ops" -o SPARSE_ATTN_SELECT \
+                -b $BACKEND
             run_stage test-fa-sparse "$BIN/test-backend-ops" -o FLASH_ATTN_EXT -p block_size -b $BACKEND
             run_stage test-kv     "$BIN/test-sparse-attn-kv" -g
             perf_ops ;;
@@ -246,6 +277,11 @@ start() {
         bench)
             # shellcheck disable=SC2086  # BENCH_ARGS: more llama-bench arguments (words), e.g. "-sadt 0,1"
             bench bench-f16 "$M8B" -r 2 -d "${BENCH_DEPTHS:-0,8192,16384,32768,65536,131072}" -sa 0,1 -sak 32 ${BENCH_ARGS:-} ;;
+        bench-nofloor) # the sparse rows of bench with the fused select (GGML_CUDA_SPARSE_SELECT_FLOOR=0): the floor select's
+            # candidate against the tree's kernel in one build (run it right after bench, same machine)
+            # shellcheck disable=SC2086
+            GGML_CUDA_SPARSE_SELECT_FLOOR=0 bench bench-nofloor-f16 "$M8B" -r 2 \
+                -d "${BENCH_DEPTHS:-0,8192,16384,32768,65536,131072}" -sa 1 -sak 32 ${BENCH_ARGS:-} ;;
         batched)
             # the normal decode path with a real prefill; B = 4 sequences in one unified stream (each its own selection)
             for sa in off on; do
@@ -276,7 +312,7 @@ start() {
                 run_stage "profile-pp-$sa" traced "profile-pp-$sa" "$BIN/llama-batched-bench" -m "$M8B" -ngl $NGL \
                     -fa on -c $((npp + 256)) -b 2048 -ub 512 -npp "$npp" -ntg 8 -npl 1 --sparse-attn "$sa"
             done ;;
-        quality) # issue 10 on the H200 (ci/device/quality.sh inputs + receive first), alone on the GPU
+        quality) # the selector's quality (ci/device/quality.sh inputs + receive first), alone on the GPU
             # shellcheck disable=SC2086
             run_stage quality bash "$ROOT/ci/device/quality.sh" fg ${QUALITY_STAGES:-} ;;
         batched4)
@@ -299,32 +335,21 @@ start() {
         serving) # the load test on the SERVING_SHAPE model (default 1b) when OPENCOTI_SHAPES wrote it, else the 8B
             local sm=$M8B; [ -f "$W/m-${SERVING_SHAPE:-1b}-q4_0.gguf" ] && sm=$W/m-${SERVING_SHAPE:-1b}-q4_0.gguf
             run_stage serving env BIN="$BIN" M8B="$sm" LOG="$LOG" BUILD="$BUILD" NGL=$NGL ROOT="$ROOT" bash ci/device/serving.sh ;;
-        longctx) # issue 12: decode at 128K-1M cells without the prefill (the harness's --synthetic-depth: a 4096-token
+        longctx) # decode at 128K-1M cells without the prefill (the harness's --synthetic-depth: a 4096-token
             # prompt's K/V tiled to the depth through the state API), dense and sparse, under the kernel tracer
-            run_stage longctx-harness build_harness_single || continue
-            local tracer=0; run_stage build-tracer build_tracer && tracer=1
-            for c in ${LONGCTX_CASES:-f16:131072 f16:524288 q8_0:1048576}; do
-                local kv=${c%%:*} d=${c##*:} sa k=${LONGCTX_TOPK:-32} b=${LONGCTX_BLOCK:-128}
-                local sc=${LONGCTX_SCORE:-maxmean}
-                for sa in off on; do
-                    # the name carries what `bench report` needs: KV type, depth, dense or top-k x block and score
-                    local name=longctx-$kv-$d-dense; [ $sa = on ] && name=longctx-$kv-$d-k$k-b$b-$sc
-                    local cmd=("$W/harness/opencoti-harness" -m "$M8B" -ngl $NGL -fa on -ctk "$kv" -ctv "$kv" -t 8
-                        --prompt-tokens 4096 --synthetic-depth "$d" --decode "${LONGCTX_DECODE:-40}" --warmup 8
-                        --sparse-attn "$sa" --sparse-attn-topk "$k" --sparse-attn-block-size "$b"
-                        --sparse-attn-score "$sc" --json "$LOG/$name.json")
-                    if [ $tracer = 1 ]; then run_stage "$name" traced "$name-profile" "${cmd[@]}"
-                    else run_stage "$name" "${cmd[@]}"; fi
-                done
-            done ;;
-        selbench) # issue 12: the select kernel against its variants of ci/device/select-bench.cu, score phase and top-k
-            # timed apart (L2 cold and warm); fails when a variant's block lists differ from the tree's kernel's
+            longctx_cases "" off on ;;
+        longctx-nofloor) # the sparse rows of longctx with the fused select (GGML_CUDA_SPARSE_SELECT_FLOOR=0), in
+            # $LOG/nofloor/ (`bench report` run nofloor/longctx): the floor select's candidate against the tree's kernel,
+            # one build, one machine
+            GGML_CUDA_SPARSE_SELECT_FLOOR=0 longctx_cases nofloor on ;;
+        selbench) # the fused select against the floor kernels (ci/device/candidates/select-floor.patch) and the
+            # memory floor, score phase and top-k timed apart (L2 cold and warm); fails when their block lists differ
             run_stage selbench-build nvcc -std=c++17 -O3 -arch=sm_90 -use_fast_math -extended-lambda -DNDEBUG \
                 -I"$SRC/ggml/include" -I"$SRC/ggml/src" -I"$SRC/ggml/src/ggml-cuda" "$ROOT/ci/device/select-bench.cu" \
                 -L"$BIN" -lggml-cuda -lggml-base -lggml -Xlinker -rpath -Xlinker "$BIN" -o "$W/select-bench" &&
-            # shellcheck disable=SC2086  # SELBENCH_DEPTHS: n_kv values (words)
-            run_stage selbench "$W/select-bench" ${SELBENCH_DEPTHS:-32768 131072 524288} ;;
-        rpc) # issue 15 step 1: layers split between CUDA0 and an RPC server on loopback (ci/device/rpc.sh)
+            # shellcheck disable=SC2086  # SELBENCH_DEPTHS: cases N_KV[:PAGE[:SCORE[:N_BATCH]]] (words)
+            run_stage selbench "$W/select-bench" ${SELBENCH_DEPTHS:-32768:4 131072:16 524288:16 1048576:16 131072:16:maxmean:4} ;;
+        rpc) # layers split between CUDA0 and an RPC server on loopback (ci/device/rpc.sh)
             run_stage rpc env BIN="$BIN" SRC="$SRC" M8B="$M8B" LOG="$LOG" NGL=$NGL ROOT="$ROOT" bash ci/device/rpc.sh ;;
         *) echo "unknown stage $s" >> "$LOG/status" ;;
         esac
@@ -396,13 +421,13 @@ refuse_stale_tree() { # a carried tree packed beside another state of patches/ w
     [ -f "$tarball" ] && [ -f "$ROOT/patches/series" ] && [ ! -f "$ROOT/.carry/APPLY_SERIES" ] || return 0
     stamp=$(tar xzf "$tarball" -O llama.cpp/.opencoti-series.sha256 2>/dev/null) || {
         echo "h200.sh: $tarball has no series stamp (packed before stamps): cannot tell whether it is the series" \
-             "of patches/; pack it again (opencoti-patch bench pack)" >&2
+             "of patches/; pack it again (opencoti-patch lab bench pack)" >&2
         return 0
     }
     want=$(series_digest) || { echo "h200.sh: cannot read patches/series or a patch it lists" >&2; exit 1; }
     if [ "$stamp" != "$want" ] && [ "${OPENCOTI_ALLOW_STALE_TREE:-0}" != 1 ]; then
         echo "h200.sh: $tarball was packed beside another state of patches/ (stamp ${stamp:0:12}, patches/ now" \
-             "${want:0:12}): it would build the old series. Pack it again (opencoti-patch bench pack), or set" \
+             "${want:0:12}): it would build the old series. Pack it again (opencoti-patch lab bench pack), or set" \
              "OPENCOTI_ALLOW_STALE_TREE=1 to build it anyway" >&2
         exit 1
     fi
@@ -426,6 +451,6 @@ case ${1:-} in
         fi ;;
     _run)  shift; start "$@" ;;
     wait)  wait_for "${2:-540}" ;;
-    quality) shift; exec bash "$(dirname "$0")/quality.sh" "$@" ;;  # issue 10 on the H200: ci/device/quality.sh
+    quality) shift; exec bash "$(dirname "$0")/quality.sh" "$@" ;;  # the selector's quality: ci/device/quality.sh
     *) echo "usage: $0 start [stages...] | resume [stages...] | pipeline [stages...] | wait SECONDS" >&2; exit 2 ;;
 esac

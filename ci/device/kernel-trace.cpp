@@ -1,4 +1,4 @@
-// A kernel timeline of any CUDA program, for machines without Nsight Systems (the H200 lease has ncu but no
+// A kernel timeline of any CUDA program, for machines without Nsight Systems (the H200 machine has ncu but no
 // nsys): a CUPTI activity tracer loaded by the CUDA driver through its injection hook.
 //
 //   g++ -std=c++17 -O2 -shared -fPIC -I$CUDA_HOME/include ci/device/kernel-trace.cpp

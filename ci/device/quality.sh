@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 10's quality bar on the H200: passkey, fidelity and recall of the block selector on real prose
-# (Gemma 3 270M), through `opencoti-patch selector ...` with the harness built against the device's CUDA
+# The selector's quality bar on the GPU machine: passkey, fidelity and recall of the block selector on real prose
+# (Gemma 3 270M), through `opencoti-patch lab selector ...` with the harness built against the device's CUDA
 # build (`ci/device/h200.sh start` makes it: $W/build, W=/tmp/ocw) and every layer offloaded (-ngl 99).
 #
 # Here (a developer machine with the model and the documentation):
@@ -14,7 +14,7 @@
 #                                          h200.sh's build), then the stages; reports in $QW/reports
 #   ci/device/quality.sh wait SECONDS      progress until done, a failed stage or SECONDS; results into $OUT
 #   ci/device/quality.sh status            the status file and the last lines of the running stage's log
-#   ci/device/quality.sh args [STAGES...]  what each stage runs (`opencoti-patch selector ...` arguments)
+#   ci/device/quality.sh args [STAGES...]  what each stage runs (`opencoti-patch lab selector ...` arguments)
 #   ci/device/quality.sh inputs            copy the carried prose bundle, wheels and package now; then
 #   ci/device/quality.sh fg [STAGES...]    in the foreground: wait for the model (receive), run as `run` does
 #                                          (h200.sh's `quality` stage: after the tests, before the benchmarks,
@@ -46,7 +46,7 @@
 #              on the same samples: 25% attended (passkey from 8K on also 12.5%, from 16K on also 2048 tokens;
 #              fidelity at 8K and 16K)
 #   served:    (not in the default list) 4K x $SAMPLES through llama-server with unified slots, one request
-#              at a time vs 4 at a time, dense / sparse 50% (issue 11); builds the llama-server target first
+#              at a time vs 4 at a time, dense / sparse 50%; builds the llama-server target first
 # SEED (default 1234, the tools' own) draws other prompts and texts: a second sample of the same stage, its
 # reports named quality-<stage>-seed<N>.
 # OPENCOTI_DEVICE_CUDA=0: a CPU dry run on a developer machine at tiny scale (2048-token contexts, shares
@@ -71,7 +71,7 @@ FID_TEXTS=${FID_TEXTS:-2}
 RECALL_TEXTS=${RECALL_TEXTS:-2}
 SCORES=${SCORES:-max,maxmean,maxmean-p4}            # the -scores stages: block scores side by side
 FIXED=${FIXED:-}                                     # the -scores and -fine stages: fixed budgets (tokens), e.g. 2048
-DEFAULT_SEED=1234                                    # the tools' own seed (opencoti-patch selector --seed)
+DEFAULT_SEED=1234                                    # the tools' own seed (opencoti-patch lab selector --seed)
 SEED=${SEED:-$DEFAULT_SEED}                          # another seed draws other prompts and texts: reports <stage>-seed<N>
 PER_DOC=${PER_DOC:-10}                               # passkey samples per filler text (10 texts per context)
 THREADS=${THREADS:-4}
@@ -138,7 +138,7 @@ pack() {
     split_model
     local py; py=$(local_python)
     mkdir -p "$CARRY/quality" "$CARRY/wheels/quality"
-    (cd "$ROOT" && opc "$py" selector prose-pack --out "$CARRY/quality/$PROSE_NAME") ||
+    (cd "$ROOT" && opc "$py" lab selector prose-pack --out "$CARRY/quality/$PROSE_NAME") ||
         die "prose-pack failed (Debian's python3-doc gives /usr/share/doc/python3/html)"
     if ! ls "$CARRY"/wheels/quality/gitpython-*.whl > /dev/null 2>&1; then
         "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -267,9 +267,8 @@ harness() {
     "$PY" -c "
 import sys
 from pathlib import Path
-from opencoti_patch.build.harness import build_harness
-print(build_harness(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]),
-                    targets=('opencoti-harness-batch', 'opencoti-qk-dump')))" "$SRC" "$BUILD/bin" "$QW/work/harness" &&
+from opencoti_patch.lab.batch import BATCH_EXE, DUMP_EXE, build_lab_harness
+print(build_lab_harness(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), targets=(BATCH_EXE, DUMP_EXE)))" "$SRC" "$BUILD/bin" "$QW/work/harness" &&
         if [ "$CUDA" = 1 ]; then # the harness must see the GPU: the CUDA backend in the build it links
             ls "$BUILD"/bin/libggml-cuda.so* > /dev/null 2>&1 || { echo "no libggml-cuda in $BUILD/bin"; return 1; }
         fi
@@ -278,7 +277,7 @@ print(build_harness(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]),
 selector() { # subcommand name args...
     local sub=$1 name=$2; shift 2
     [ "$SEED" = "$DEFAULT_SEED" ] || name=$name-seed$SEED
-    opc "$PY" selector "$sub" --build "$BUILD" --llama-src "$SRC" --model "$(model_path)" \
+    opc "$PY" lab selector "$sub" --build "$BUILD" --llama-src "$SRC" --model "$(model_path)" \
         --prose "$QW/$PROSE_NAME" --work-dir "$QW/work" --out-dir "$QW/reports" --name "quality-$name" \
         -t "$THREADS" --ngl "$NGL" "$@"
 }
@@ -315,7 +314,7 @@ stage_table() { # stage -> selector arguments (tiny in the CPU dry run)
         # layer rule (default 1) buys, on the samples of passkey-N
         -dl0) echo "passkey $samples --shares 0.25 --fixed= --per-doc $PER_DOC --harness-arg=--sparse-attn-dense-last --harness-arg=0" ;;
         # the same samples with 128-token and 32-token selection blocks side by side: 25% attended, from 8K on 12.5%
-        # too, from 16K on a fixed 2048 tokens too (issue 10's secondary budgets)
+        # too, from 16K on a fixed 2048 tokens too (the secondary budgets of docs/results/quality.md)
         -b32) local fixed=
               [ "$n" -ge 16 ] && fixed=2048
               echo "passkey $samples --shares $shares --fixed=$fixed --per-doc $PER_DOC --blocks 128,32" ;;
@@ -338,7 +337,7 @@ stage_table() { # stage -> selector arguments (tiny in the CPU dry run)
     fidelity-b32)
         echo "fidelity --contexts 8192,16384 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed= --blocks 128,32" ;;
     fidelity) echo "fidelity --contexts 8192,16384,32768 --steps $STEPS --texts $FID_TEXTS --shares 0.25 --fixed 2048" ;;
-    # issue 11: the passkey set through llama-server (unified slots), one request at a time vs 4 at a time
+    # the passkey set through llama-server (unified slots), one request at a time vs 4 at a time
     served) echo "served --ctx 4096 --samples $SAMPLES --share 0.5 --parallel 4 --server-args=-kvu" ;;
     recall)   echo "recall --texts 8192:$RECALL_TEXTS,16384:$RECALL_TEXTS,32768:$RECALL_TEXTS --layers 5,11,17 --shares 0.25,0.125 --scorers mean16,mean16-sum,mid32-sum,minmax128" ;;
     *) return 1 ;;

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 15, step 1 on one machine: the layers split between the local device and a llama.cpp RPC server on
+# Several devices on one machine: the layers split between the local device and a llama.cpp RPC server on
 # loopback (ggml-rpc-server exposing the same GPU), dense vs sparse.
 #
-#   - correctness: `opencoti-patch multidevice rpc` (select-all = dense bitwise in the split layout, sparse split
+#   - correctness: `opencoti-patch lab multidevice rpc` (select-all = dense bitwise in the split layout, sparse split
 #     vs sparse on one device, the selection runs, each device's side-cache matches the layers its KV holds, no
 #     extra graph split), f16 and q8_0 KV -> LOG/multidevice-rpc{,-q8}.{json,md}
 #   - speed: llama-bench decode with the split, dense vs sparse in one run -> LOG/rpc-bench.log
@@ -43,7 +43,7 @@ CHECK_MODEL=${RPC_MODEL:-${OPENCOTI_GEMMA_DIR:-/tmp/ocw-gemma}/gemma-3-270m-q4_k
 rc=0
 for kv in f16 q8_0; do
     name=multidevice-rpc; [ "$kv" = f16 ] || name=multidevice-rpc-q8
-    opc multidevice rpc --build "$(dirname "$BIN")" --llama-src "$SRC" --model "$CHECK_MODEL" --split "$SPLIT" \
+    opc lab multidevice rpc --build "$(dirname "$BIN")" --llama-src "$SRC" --model "$CHECK_MODEL" --split "$SPLIT" \
         --local "$LOCAL" "${DEV[@]}" --prompt-tokens "${RPC_PROMPT:-8192}" --ctx "${RPC_CTX:-12288}" \
         --decode 32 --topk 8 -t 4 --harness-arg "-ctk $kv -ctv $kv" --work-dir "$RW/$kv" --out-dir "$LOG" \
         --name "$name" || rc=1

@@ -13,6 +13,7 @@ from ..errors import CheckFailed, OpencotiError, UsageProblem
 from ..markers.audit import audit, format_report
 from ..markers.fix import fix_tree
 from ..report import info
+from ..stack.apply import rebase_state
 from ..stack.series import Patch, diff_patch, load_series
 from ..stack.status import stale_against_series
 from ..stack.tree import Tree, tree_lock
@@ -34,9 +35,11 @@ def _load(settings: Settings, diff_file: Path | None, feature: str | None) -> li
             stdin = str(diff_file) == "-"
             data = sys.stdin.buffer.read() if stdin else diff_file.read_bytes()
             return [diff_patch(data, "stdin" if stdin else diff_file.name, feature)]
-        if not settings.series_file.is_file():
-            raise OpencotiError(f"{settings.series_file}: no series file")
-        return load_series(settings.patches_dir)
+        patches = load_series(settings.patches_dir)
+        if not patches:
+            raise OpencotiError(f"{settings.series_file} lists no patch: nothing to audit (--diff FILE "
+                                "audits a plain diff)")
+        return patches
     except OSError as exc:
         raise OpencotiError(str(exc)) from exc
 
@@ -66,6 +69,7 @@ def markers_command(settings: Settings, as_json: bool, fix: bool, diff_file: Pat
         if not explicit and whole_series_tree(settings) is None:
             raise UsageProblem("--fix needs --tree (it edits the files of the tree)")
         with tree_lock(settings):
+            Tree(settings).refuse_interrupted("markers --fix")
             result = fix_tree(settings.tree, patches)
         if as_json:
             click.echo(json.dumps(result.to_dict(), indent=2))
@@ -87,4 +91,23 @@ def markers_command(settings: Settings, as_json: bool, fix: bool, diff_file: Pat
     report = audit(patches, tree)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else format_report(report))
     if not report.ok:
-        raise CheckFailed(f"markers: {len(report.errors)} error(s) (listed above)")
+        stale = _not_the_series(settings) if tree is not None and diff_file is None else ""
+        raise CheckFailed(f"markers: {len(report.errors)} error(s) (listed above){stale}")
+
+
+def _not_the_series(settings: Settings) -> str:
+    """Why the managed tree the audit read does not carry patches/ (a rebase not yet snapshotted,
+    uncaptured edits, ...), said so that the errors are read as that, with what to run; '' otherwise."""
+    tree = Tree(settings)
+    if not tree.is_repo() or not tree.read_state().get("pin"):
+        return ""
+    problems = stale_against_series(tree)
+    if not problems:
+        return ""
+    rebasing = rebase_state(tree)
+    cmd = settings.command
+    first = (f"finish the rebase (`{cmd('rebase --continue')}`) and `{cmd('snapshot')}` first"
+             if rebasing and not rebasing.get("done") else f"run `{cmd('snapshot')}` first (it writes the "
+                                                           "tree's patches)")
+    return (f"; but {settings.tree} does not carry patches/ ({'; '.join(problems)}) and the audit reads "
+            f"each patch of patches/ in it, so the errors may be only that: {first}, then `markers` again")

@@ -48,6 +48,24 @@ def common_options(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def option_group(*options: Callable[[F], F]) -> Callable[[F], F]:
+    """The decorators ``options`` as one (options several commands share), applied so that ``--help`` lists
+    them in the order given."""
+    def apply(func: F) -> F:
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return apply
+
+
+class OrderedGroup(click.Group):
+    """A command group whose help lists its commands in the order they were added (not by name)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
+
+
 def emit(data: Any, as_json: bool, text: str | None = None) -> None:
     """Print ``data`` as JSON (``--json``) or ``text`` for humans."""
     if as_json:

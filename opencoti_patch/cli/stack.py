@@ -8,6 +8,7 @@ Exit codes (docs/usage.md): 0 ok · 1 error · 2 usage · 3 patch failed/conflic
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -17,6 +18,7 @@ from ..markers.fix import fix_tree
 from ..markers.resolve import check_added_regions, resolve_conflicts
 from ..report import info, render
 from ..stack import apply as apply_mod
+from ..stack import bump as bump_mod
 from ..stack.capture import NewPatch, snapshot, stale_report, summary
 from ..stack.series import load_series
 from ..stack.status import status_data
@@ -75,27 +77,35 @@ def backup_cmd(settings: Settings, pin: str | None, verify: bool, worktree: bool
     """Make the fetched tree a git repo whose first commit is upstream exactly.
 
     Every file is added (regardless of the tree's .gitignore), the commit is tagged
-    `upstream/<pin>` and a per-file sha256 manifest is written to .git/opencoti/. With --verify,
-    check the stored upstream against the manifest (exit 4 on any difference).
+    `upstream/<pin>` and a per-file sha256 manifest is written to .git/opencoti/, with the pin's
+    identity (its llama.cpp commit, or its release and archive sha256). With --verify, check the
+    stored upstream against the manifest (exit 4 on any difference).
     """
     tree = Tree(settings)
     with tree_lock(settings):
         if not verify:
             if tree.is_repo() and tree.read_state().get("pin"):
+                if pin and pin != tree.pin and _upstream(settings).pin(pin).name != tree.pin:
+                    raise OpencotiError(
+                        f"{settings.tree} is backed up as pin {tree.pin}, not {pin}: "
+                        f"`{settings.command('rebase --to ' + pin)}` moves it onto {pin}"
+                    )
                 click.echo(f"already backed up as {tree.tag}; use --verify to check it")
                 return
             p = tree.fetched_pin(_upstream(settings), pin)
             commit = tree.create_backup(p)
-            click.echo(f"backed up {settings.tree} as {p.tag} ({commit[:12]}), manifest "
-                       f"{tree.manifest_path(p.name)}")
+            click.echo(f"backed up {settings.tree} as {p.tag} ({commit[:12]}; {p.identity['identity']}), "
+                       f"manifest {tree.manifest_path(p.name)}")
             return
         tree.require()
         problems = tree.verify_backup()
         diff = tree.verify_worktree() if worktree else None
-        data = {"pin": tree.pin, "backup_ok": not problems, "problems": problems,
+        identity = tree.identity()
+        data = {"pin": tree.pin, "identity": identity, "backup_ok": not problems, "problems": problems,
                 "worktree": None if diff is None else diff.__dict__}
-        text = (f"backup {tree.tag}: " + ("intact (every file matches its sha256)" if not problems
-                                           else "DAMAGED: " + "; ".join(problems)))
+        verdict = ("intact (every file matches its sha256)" if not problems
+                   else "DAMAGED: " + "; ".join(problems))
+        text = f"backup {tree.tag} ({identity['identity']}): {verdict}"
         if diff is not None:
             text += "\nworktree: " + ("pristine" if diff.clean else f"differs: {diff.summary()}")
         emit(data, as_json, text)
@@ -197,7 +207,8 @@ def unapply_cmd(settings: Settings, count: int | None, force: bool, dry_run: boo
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @common_options
 def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
-    """Show the pin, backup state, applied/unapplied patches and uncaptured edits."""
+    """Show the pin and its identity (llama.cpp commit, or release + archive sha256), backup state,
+    applied/unapplied patches and uncaptured edits."""
     data = status_data(settings, verify)
     emit(data, as_json, render(settings.templates_dirs, "status.txt.j2", cmd=settings.command, **data))
 
@@ -218,6 +229,9 @@ def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
                    "build target with its arguments, run by `check` after this patch.")
 @click.option("--patch", "patch_name", metavar="NNNN-name.patch",
               help="Edit the header of this applied patch (instead of the top or a new one).")
+@click.option("--into", "into", metavar="NNNN-name.patch",
+              help="Fold the edits into this applied patch and rewrite the patches above it (refused when "
+                   "one of them conflicts with the edits).")
 @click.option("--check", is_flag=True, help="Write nothing; exit 4 when patches/ is stale vs the tree (CI).")
 @click.option("--no-verify", is_flag=True, help="Skip the round-trip proof.")
 @click.option("--mark", is_flag=True,
@@ -226,18 +240,19 @@ def status_cmd(settings: Settings, verify: bool, as_json: bool) -> None:
 @common_options
 def snapshot_cmd(settings: Settings, top: bool, new_name: str | None, subject: str | None,
                  description: str | None, feature: str | None, upstream_status: str | None,
-                 author: str | None, tests: tuple[str, ...], patch_name: str | None, check: bool,
-                 no_verify: bool, mark: bool, as_json: bool) -> None:
+                 author: str | None, tests: tuple[str, ...], patch_name: str | None, into: str | None,
+                 check: bool, no_verify: bool, mark: bool, as_json: bool) -> None:
     """Write the tree's edits and commits back into patches/ (alias: refresh).
 
-    Edits go into the top patch (--top, or by default when they only touch its files) or a new
-    one (--new NAME). Patch files are rendered deterministically, then the round trip is proven:
+    Edits go into the top patch (--top, or by default when they only touch its files), a new one
+    (--new NAME), or any applied patch (--into NNNN-name.patch: the patches above it are rewritten
+    on top of it). Patch files are rendered deterministically, then the round trip is proven:
     pristine upstream + the series gives the edited tree's exact git tree hash.
     """
-    if sum(map(bool, (top, new_name, patch_name))) > 1:
-        raise click.UsageError("--top, --new and --patch are exclusive")
+    if sum(map(bool, (top, new_name, patch_name, into))) > 1:
+        raise click.UsageError("--top, --new, --patch and --into are exclusive")
     new = NewPatch(new_name, subject, description, feature, upstream_status, author,
-                   tests=tests or None, patch=patch_name)
+                   tests=tests or None, patch=patch_name, into=into)
     tree = Tree(settings)
     with tree_lock(settings):
         result = snapshot(tree, new, top=top, check=check, verify=not no_verify)
@@ -266,7 +281,8 @@ refresh_cmd = click.Command(
 @click.option("--skip", is_flag=True, help="Drop the conflicted patch and go on.")
 @click.option("--abort", is_flag=True, help="Go back to the old pin and stack.")
 @click.option("--write-pin", is_flag=True, help="When done, make PIN upstream.toml's default.")
-@click.option("--force", is_flag=True, help="Save uncaptured edits to work/rescue/ first.")
+@click.option("--force", is_flag=True,
+              help="Save uncaptured edits to work/rescue/ first (--to; --abort of a done rebase).")
 @click.option("--no-resolve", is_flag=True,
               help="Leave every conflict to a person (no marker-aware resolution).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
@@ -288,7 +304,9 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
     resolver = None if no_resolve else resolve_conflicts
     with tree_lock(settings):
         if abort:
-            aborted = apply_mod.rebase_abort(tree)
+            aborted = apply_mod.rebase_abort(tree, force)
+            if aborted.get("rescued"):
+                info(f"uncaptured work saved to {aborted['rescued']}")
             click.echo(f"rebase onto {aborted['to']} aborted; back on {aborted['from']} and its stack"
                        + (f"; upstream.toml's default pin is {aborted['default_restored']} again"
                           if aborted.get("default_restored") else ""))
@@ -302,16 +320,8 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
             report, pending = apply_mod.rebase(tree, patches, up.pin(to_pin), up, settings, from_file,
                                                force, resolver, check_added_regions)
     text = f"rebase onto {report.pin}:\n{_outcome_lines(report)}"
-    if pending and pending.get("names_stop"):
-        text += (f"\n{pending['current']['patch']} applied, but git merged marked regions that name what "
-                 "the old upstream had and the new upstream and tree have nowhere "
-                 f"({pending['names_stop']}, listed above): check each region for the identifiers named (a "
-                 "member or API upstream renamed or dropped: port the code, not just its place); the step "
-                 f"is staged in the tree. Then `{settings.command('rebase --continue')}` (commits the tree "
-                 "as it stands, also when you judge the code right), or --skip / --abort")
-    elif pending:
-        text += (f"\nresolve the conflicts in the tree, then `{settings.command('rebase --continue')}` "
-                 "(or --skip / --abort)")
+    if pending:
+        text += "\n" + _stop_text(pending, f"`{settings.command('rebase --continue')}`")
     else:
         text += (f"\ndone; run `{settings.command('snapshot')}` to rewrite the patches against "
                  f"{report.pin} (until then `{settings.command('rebase --abort')}` goes back)")
@@ -324,11 +334,68 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
                      f"makes it the default when it writes the patches (they then apply to {report.pin})")
     emit(report.as_dict() | {"pending": bool(pending)}, as_json, text)
     if pending:
-        current = pending["current"]
-        if pending.get("names_stop"):
-            raise PatchFailed(f"{current['patch']} stopped by the names check ({pending['names_stop']}) in "
-                              f"{', '.join(current['files'])}: check the regions listed")
-        raise PatchFailed(f"{current['patch']} {current['status']} in {', '.join(current['files'])}")
+        _raise_stop(pending)
+
+
+def _stop_text(pending: dict[str, Any], then: str, others: str = "--skip / --abort") -> str:
+    """What a person does at a rebase's stop (a conflict, or a names stop), then ``then`` (or ``others``)."""
+    if pending.get("names_stop"):
+        return (f"{pending['current']['patch']} applied, but git merged marked regions that name what "
+                "the old upstream had and the new upstream and tree have nowhere "
+                f"({pending['names_stop']}, listed above): check each region for the identifiers named (a "
+                "member or API upstream renamed or dropped: port the code, not just its place); the step "
+                f"is staged in the tree. Then {then} (commits the tree as it stands, also when you judge the "
+                f"code right), or {others}")
+    return f"resolve the conflicts in the tree, then {then} (or {others})"
+
+
+def _raise_stop(pending: dict[str, Any]) -> None:
+    current = pending["current"]
+    if pending.get("names_stop"):
+        raise PatchFailed(f"{current['patch']} stopped by the names check ({pending['names_stop']}) in "
+                          f"{', '.join(current['files'])}: check the regions listed")
+    raise PatchFailed(f"{current['patch']} {current['status']} in {', '.join(current['files'])}")
+
+
+@click.command("bump")
+@click.argument("pin")
+@click.option("--from", "from_file", type=click.Path(exists=True, path_type=Path),
+              help="Local archive or folder for the default pin, when the tree must be fetched first.")
+@click.option("--no-resolve", is_flag=True,
+              help="Leave every conflict to a person (no marker-aware resolution).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
+@common_options
+def bump_cmd(settings: Settings, pin: str, from_file: Path | None, no_resolve: bool, as_json: bool) -> None:
+    """Move the tree and patches/ onto PIN, going on from wherever an earlier run stopped.
+
+    Run it again after each stop: it fetches and backs up the default pin where there is no tree,
+    applies the series and rebases onto PIN, stops at a conflict (exit 3; resolve in the tree and run
+    it again: it continues the rebase), writes the patches against PIN (`snapshot`; PIN becomes the
+    default). On PIN already it applies patches/ where the tree lags; uncaptured edits are refused
+    (`snapshot --into NNNN-name.patch` folds a fix into its patch). It never deletes the tree.
+    `ci/rebuild.sh --to PIN` runs it, then checks and builds the series.
+    """
+    up = _upstream(settings)
+    tree = Tree(settings)
+    resolver = None if no_resolve else resolve_conflicts
+    with tree_lock(settings):
+        result = bump_mod.bump(tree, up.pin(pin), up, settings, from_file, resolver, check_added_regions)
+    name = up.pin(pin).name
+    text = f"bump onto {name}:\n" + "\n".join(f"  - {s}" for s in result.steps)
+    if result.report is not None:
+        text += f"\nrebase onto {result.report.pin}:\n{_outcome_lines(result.report)}"
+    if result.pending is not None:
+        again = f"run this again (`{settings.command('bump ' + name)}`, or `ci/rebuild.sh --to {name}`)"
+        others = f"`{settings.command('rebase --skip')}` / `--abort`"
+        text += "\n" + _stop_text(result.pending, again, others)
+    elif result.snapshot is not None:
+        text += "\n" + summary(result.snapshot, settings.patches_dir)
+    if result.done:
+        text += (f"\ndone: patches/ is written against {name}; next: `{settings.command('check')}` builds it "
+                 "patch by patch")
+    emit(result.as_dict(), as_json, text)
+    if result.pending is not None:
+        _raise_stop(result.pending)
 
 
 @click.command("prepare")
@@ -351,12 +418,20 @@ def prepare_cmd(settings: Settings, pin: str | None, from_file: Path | None, thr
             tree.create_backup(p)
             info(f"backed up as {p.tag}")
         elif tree.pin != p.name:
+            rebasing = apply_mod.rebase_state(tree)
+            if rebasing:
+                raise OpencotiError(f"cannot prepare {p.name}: {apply_mod.rebase_waiting(tree, rebasing)}")
             raise OpencotiError(
                 f"{settings.tree} is on pin {tree.pin}, not {p.name}: "
                 f"`{settings.command('rebase --to ' + p.name)}` or remove the tree"
             )
+        if not load_series(settings.patches_dir):  # a project before its first patch: nothing to apply yet
+            apply_mod.refuse_empty_series(tree, [], "prepare")
+            click.echo(f"{settings.tree} is {tree.tag}; {settings.series_file} lists no patch yet (the first "
+                       f"comes from `{settings.command('snapshot --new NAME')}`)")
+            return
     _apply_common(settings, three_way, False, False, as_json)
 
 
-COMMANDS = [fetch_cmd, backup_cmd, restore_cmd, apply_cmd, unapply_cmd, status_cmd, snapshot_cmd,
-            refresh_cmd, rebase_cmd, prepare_cmd]
+COMMANDS = [prepare_cmd, fetch_cmd, backup_cmd, apply_cmd, unapply_cmd, restore_cmd, status_cmd, snapshot_cmd,
+            refresh_cmd, rebase_cmd, bump_cmd]

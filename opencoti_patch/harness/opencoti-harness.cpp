@@ -40,6 +40,7 @@
 #endif
 #include "ggml-backend.h"
 #include "llama.h"
+#include "opencoti-harness.h"
 
 #include <algorithm>
 #include <chrono>
@@ -146,15 +147,6 @@ bool read_tokens(const std::string & path, std::vector<llama_token> & out) {
     return true;
 }
 
-void batch_add(llama_batch & batch, llama_token tok, llama_pos pos, bool logits) {
-    const int i = batch.n_tokens++;
-    batch.token[i] = tok;
-    batch.pos[i] = pos;
-    batch.n_seq_id[i] = 1;
-    batch.seq_id[i][0] = 0;
-    batch.logits[i] = logits;
-}
-
 std::vector<llama_token> tokenize(const llama_vocab * vocab, const std::string & text) {
     int32_t n = -llama_tokenize(vocab, text.data(), (int32_t) text.size(), nullptr, 0, true, true);
     std::vector<llama_token> out((size_t) std::max(n, 0));
@@ -167,16 +159,6 @@ std::string token_to_piece(const llama_vocab * vocab, llama_token tok) {
     char buf[256];
     const int32_t n = llama_token_to_piece(vocab, tok, buf, sizeof(buf), 0, true);
     return n > 0 ? std::string(buf, (size_t) n) : std::string();
-}
-
-llama_token argmax(const float * logits, int32_t n) {
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; ++i) {
-        if (logits[i] > logits[best]) {
-            best = i;
-        }
-    }
-    return best;
 }
 
 // the median of xs (the upper one of an even count); 0 when empty
@@ -666,7 +648,7 @@ int main(int argc, char ** argv) {
         batch.n_tokens = 0;
         const size_t end = std::min(prompt.size(), i + (size_t) n_batch);
         for (size_t j = i; j < end; ++j) {
-            batch_add(batch, prompt[j], (llama_pos) j, j + 1 == prompt.size());
+            opencoti_batch_add(batch, prompt[j], (llama_pos) j, j + 1 == prompt.size());
         }
         if (llama_decode(ctx, batch) != 0) {
             fprintf(stderr, "error: llama_decode failed in the prefill at token %zu\n", i);
@@ -721,7 +703,7 @@ int main(int argc, char ** argv) {
         if (i == h.n_warmup) {
             t_timed = std::chrono::steady_clock::now();
         }
-        const llama_token tok = teacher.empty() ? argmax(last.data(), n_vocab) : teacher[(size_t) i];
+        const llama_token tok = teacher.empty() ? opencoti_argmax(last.data(), n_vocab) : teacher[(size_t) i];
         fed.push_back(tok);
         if (h.generate) {
             const std::string piece = token_to_piece(vocab, tok);
@@ -730,7 +712,7 @@ int main(int argc, char ** argv) {
             fflush(stdout);
         }
         batch.n_tokens = 0;
-        batch_add(batch, tok, pos++, true);
+        opencoti_batch_add(batch, tok, pos++, true);
         counter.n = 0;
         const auto t_call = std::chrono::steady_clock::now();
         if (llama_decode(ctx, batch) != 0) {

@@ -1,1 +1,2 @@
-"""Layer 2: UPSTREAM_SYNC markers - syntax, lexers, audit, fix."""
+"""Layer 3 (toolkit): UPSTREAM_SYNC markers - syntax, lexers, audit, fix, resolve (reads stack/'s patch
+model)."""

@@ -8,7 +8,7 @@ its closer.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .syntax import SLASH_SUFFIXES
@@ -48,14 +48,26 @@ def skip_open(body: str, j: int, closer: str, escapes: bool = True) -> tuple[int
     return n, False
 
 
+def resume(body: str, j: int, closer: str, escapes: bool = True) -> tuple[int, str | None]:
+    """Go on through an open span from ``j`` (:func:`skip_open`): (index after ``closer``, None), or (end of
+    line, ``closer``) while the span stays open on the next line."""
+    j, closed = skip_open(body, j, closer, escapes)
+    return j, None if closed else closer
+
+
+def numbered(lines: Sequence[str]) -> Iterator[tuple[int, str]]:
+    """(line number from 1, the line without a carriage return): what every lexer walks."""
+    for t, line in enumerate(lines, 1):
+        yield t, line.rstrip("\r")
+
+
 def _c_unsafe(lines: Sequence[str]) -> dict[int, str]:
     unsafe: dict[int, str] = {}
     comment = False
     raw: str | None = None             # closing sequence of an open raw string
     quote: str | None = None           # open "..." or '...' continued by a backslash
     directive = False
-    for t, line in enumerate(lines, 1):
-        body = line.rstrip("\r")
+    for t, body in numbered(lines):
         if not comment and raw is None and quote is None and not directive:
             directive = body.lstrip().startswith("#")
         j, n = 0, len(body)
@@ -65,12 +77,10 @@ def _c_unsafe(lines: Sequence[str]) -> dict[int, str]:
                 comment = not closed
                 continue
             if raw is not None:
-                j, closed = skip_open(body, j, raw, escapes=False)
-                raw = None if closed else raw
+                j, raw = resume(body, j, raw, escapes=False)
                 continue
             if quote is not None:
-                j, closed = skip_open(body, j, quote)
-                quote = None if closed else quote
+                j, quote = resume(body, j, quote)
                 continue
             c = body[j]
             if body.startswith("//", j):
@@ -115,19 +125,16 @@ def _c_unsafe(lines: Sequence[str]) -> dict[int, str]:
 def _py_unsafe(lines: Sequence[str]) -> dict[int, str]:
     unsafe: dict[int, str] = {}
     triple: str | None = None
-    for t, line in enumerate(lines, 1):
-        body = line.rstrip("\r")
+    for t, body in numbered(lines):
         j, n = 0, len(body)
         quote: str | None = None
         in_comment = False
         while j < n:
             if triple is not None:
-                j, closed = skip_open(body, j, triple)
-                triple = None if closed else triple
+                j, triple = resume(body, j, triple)
                 continue
             if quote is not None:
-                j, closed = skip_open(body, j, quote)
-                quote = None if closed else quote
+                j, quote = resume(body, j, quote)
                 continue
             c = body[j]
             if c == "#":
@@ -153,8 +160,7 @@ def _cmake_unsafe(lines: Sequence[str]) -> dict[int, str]:
     unsafe: dict[int, str] = {}
     state: str | None = None          # None, '"', or the closing bracket "]==]"
     is_comment = False
-    for t, line in enumerate(lines, 1):
-        body = line.rstrip("\r")
+    for t, body in numbered(lines):
         j, n = 0, len(body)
         while j < n:
             if state is not None:  # a quoted argument ('"', escapes) or a bracket one ("]==]")
@@ -188,8 +194,7 @@ def _sh_unsafe(lines: Sequence[str]) -> dict[int, str]:
     quote: str | None = None
     heredocs: list[tuple[str, bool]] = []
     in_heredoc: tuple[str, bool] | None = None
-    for t, line in enumerate(lines, 1):
-        body = line.rstrip("\r")
+    for t, body in numbered(lines):
         if in_heredoc is not None:
             delim, strip_tabs = in_heredoc
             if (body.lstrip("\t") if strip_tabs else body) == delim:
@@ -231,8 +236,7 @@ def _sh_unsafe(lines: Sequence[str]) -> dict[int, str]:
 def _yaml_unsafe(lines: Sequence[str]) -> dict[int, str]:
     unsafe: dict[int, str] = {}
     block_indent: int | None = None
-    for t, line in enumerate(lines, 1):
-        body = line.rstrip("\r")
+    for t, body in numbered(lines):
         indent = len(body) - len(body.lstrip(" "))
         if block_indent is not None:
             if not body.strip() or indent > block_indent:

@@ -198,8 +198,7 @@ def named_gone(path: str, lines: Sequence[str], gone: set[str],
 
 
 def names_why(hits: Sequence[str], where: str = "upstream's new file does not have") -> str:
-    more = f" (+{len(hits) - 3} more)" if len(hits) > 3 else ""
-    return f"our region names {', '.join(repr(h) for h in hits[:3])}{more}, which {where} (a port)"
+    return f"our region names {', '.join(repr(h) for h in hits)}, which {where} (a port)"
 
 
 def check_names(path: str, lines: Sequence[str], gone: set[str],

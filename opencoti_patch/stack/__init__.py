@@ -1,1 +1,2 @@
-"""Layer 2: the patch stack - upstream pins and sources, the Tree, the series model, apply/rebase, capture."""
+"""Layer 2 (toolkit): the patch stack - upstream pins and sources, the Tree, the series model,
+apply/rebase, capture, status."""

@@ -14,7 +14,7 @@ import json
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,8 @@ from ..config import DEFAULT_AUTHOR, TAG_PREFIX, Settings
 from ..errors import CheckFailed, OpencotiError, PatchFailed
 from ..report import render
 from .gitrun import run_git
-from .hunks import check_exact
-from .series import Patch, diff_patch, parse_diff
+from .hunks import HunkFailure, check_exact
+from .series import LINK_MODE, CorruptPatch, Patch, diff_patch, link_problem, parse_diff
 from .tree import Tree, TreeDiff, commit_message
 from .upstream import Pin, Upstream, load_upstream, materialize, set_default_pin
 
@@ -110,6 +110,7 @@ def apply_one(tree: Tree, patch: Patch, three_way: bool, index: Path | None = No
     ``resolver`` (worktree only), the conflict blocks of a 3-way merge it can resolve are resolved
     (each one listed in the outcome) and the rest are left with conflict markers."""
     where = ["--cached"] if index is not None else ["--index"]
+    refuse_moved_links(tree, patch, index)
     failure = check_exact(patch, reader(tree, index))
     if failure is None:
         r = tree.git("apply", *where, "--whitespace=nowarn", str(patch.path), index=index, check=False)
@@ -129,13 +130,46 @@ def apply_one(tree: Tree, patch: Patch, three_way: bool, index: Path | None = No
         resolved, left, still = auto_resolve(tree, conflicts, resolver)
         if not still:
             return Outcome(patch.name, AUTO, sorted({*merged, *conflicts}), detail, resolved=resolved)
-        return Outcome(patch.name, CONFLICTED, still, detail, failure.hunk, failure.line,
-                       resolved=resolved, left=left)
+        return _conflicted(patch, still, conflicts, merged, failure, resolved, left)
     if conflicts:
-        return Outcome(patch.name, CONFLICTED, conflicts, detail, failure.hunk, failure.line)
+        return _conflicted(patch, conflicts, conflicts, merged, failure)
     return Outcome(patch.name, FAILED, [failure.file],
                    f"{failure.reason}; no 3-way merge either: {_three_way_reason(r.err)}",
                    failure.hunk, failure.line)
+
+
+def _conflicted(patch: Patch, files: list[str], conflicts: list[str], merged: list[str], failure: HunkFailure,
+                resolved: list[dict[str, Any]] | None = None, left: list[dict[str, Any]] | None = None
+                ) -> Outcome:
+    """A conflicted outcome (``files`` still conflicted of git's ``conflicts``) whose detail, hunk and
+    line are of the conflicted files: the first file the exact apply failed on may have merged cleanly
+    (it is then named as merged, not as the failure)."""
+    ours = failure.file in files
+    detail = f"3-way merge conflicted in {', '.join(files)}"
+    clean = [f for f in merged if f not in conflicts]
+    if clean:
+        detail += f"; merged cleanly: {', '.join(clean)}"
+    if ours:
+        detail += f" (exact apply failed at {failure.file}: {failure.reason})"
+    return Outcome(patch.name, CONFLICTED, files, detail, failure.hunk if ours else None,
+                   failure.line if ours else None, resolved=resolved or [], left=left or [])
+
+
+def refuse_moved_links(tree: Tree, patch: Patch, index: Path | None = None) -> None:
+    """A renamed or copied symbolic link keeps its target, which the diff does not show: refuse one
+    that would point outside the tree (or into .git) from its new place (``series._check_link`` checks
+    the links a diff writes)."""
+    read = reader(tree, index)
+    for fp in patch.files:
+        if not fp.rename or fp.old_path is None or fp.new_path is None:
+            continue
+        staged = tree.git("ls-files", "-s", "--", fp.old_path, index=index, check=False).text
+        data = read(fp.old_path) if staged.startswith(LINK_MODE + " ") else None
+        target = data.decode("utf-8", "surrogateescape") if data is not None else None
+        problem = link_problem(fp.new_path, target) if target is not None else None
+        if problem:
+            raise CorruptPatch(f"{patch.name}: refusing {fp.new_path} -> {target!r}: the symbolic link "
+                               f"{fp.old_path} moved there is a link that {problem}")
 
 
 def auto_resolve(tree: Tree, files: list[str], resolver: Resolver
@@ -340,6 +374,21 @@ def failure_message(tree: Tree, outcome: Outcome, patch: Patch, applied: int) ->
     )
 
 
+def refuse_empty_series(tree: Tree, names: Sequence[str], action: str) -> None:
+    """Refuse ``action`` when the series lists no patch while the tree carries applied ones: that
+    series is not the tree's (another folder, or an emptied file), and acting on it would drop them."""
+    if names:
+        return
+    applied = [c.patch for c in tree.stack() if c.patch is not None]
+    if applied:
+        shown = ", ".join(applied[:3]) + (", ..." if len(applied) > 3 else "")
+        raise OpencotiError(
+            f"cannot {action}: {tree.settings.series_file} lists no patch, but {tree.path} carries "
+            f"{len(applied)} applied ({shown}): give the patches folder of that tree (--patches-dir, or "
+            f"run from its project); to take the patches off the tree, `{tree.settings.command('unapply')}`"
+        )
+
+
 def apply_series(
     tree: Tree,
     patches: list[Patch],
@@ -351,6 +400,10 @@ def apply_series(
 ) -> Report:
     """Bring the tree to "pristine + the whole series", one commit per patch."""
     tree.require()
+    if not patches:
+        refuse_empty_series(tree, [], "apply the series")
+        raise OpencotiError(f"nothing to apply: {tree.settings.series_file} lists no patch (the first "
+                            f"comes from `{tree.settings.command('snapshot --new NAME')}`)")
     report = Report(pin=tree.pin, dry_run=dry_run)
     if not dry_run:  # leftovers of a killed run (HEAD is its last good patch); whatever is there is kept
         saved = tree.recover_interrupted()
@@ -513,7 +566,9 @@ def rebase(
     ``names_check``, a step that applied (clean, merged, auto-resolved) whose marked regions name
     what upstream removed stops too, as a conflict (``names_stop``)."""
     tree.require()
+    tree.refuse_interrupted(f"rebase onto {pin.name}")
     refuse_during_rebase(tree, f"rebase onto {pin.name}")
+    refuse_empty_series(tree, [p.name for p in patches], f"rebase onto {pin.name}")
     if pin.name == tree.pin:
         raise OpencotiError(f"the tree is already on {pin.name}")
     tree.guard_clean("rebase", force)
@@ -584,6 +639,7 @@ def rebase_continue(tree: Tree, patches: list[Patch], resolver: Resolver | None 
     the names check runs on the whole step first (what git merged cleanly beside the conflicts) and
     may stop it once more; after a names stop the tree is taken as the person left it (fixed, or
     judged right)."""
+    tree.refuse_interrupted("rebase --continue")
     state = _conflicted_state(tree, "continue")
     by_name = {p.name: p for p in patches}
     name = state["remaining"][0]
@@ -616,13 +672,19 @@ def _step_done(tree: Tree, patches: list[Patch], state: dict[str, Any], status: 
     return _rebase_run(tree, patches, state, resolver, names_check)
 
 
-def rebase_abort(tree: Tree) -> dict[str, Any]:
+def rebase_abort(tree: Tree, force: bool = False) -> dict[str, Any]:
     """Back to the old pin and stack (also after the last step, until `snapshot` wrote patches/);
-    returns the state that was aborted."""
+    returns the state that was aborted (``rescued``: where ``force`` saved uncaptured work). Once the
+    rebase is done, edits and commits on the rebased stack are the user's: refused unless ``force``
+    (during a conflict the tree's edits are the resolution being aborted)."""
+    tree.refuse_interrupted("rebase --abort")
     state = rebase_state(tree)
     if not state:
         raise OpencotiError("no rebase in progress (a rebase ends when `snapshot` has rewritten "
                             "patches/; after that, `rebase --to` the old pin)")
+    if state.get("done"):
+        rescued = tree.guard_clean(f"abort the rebase onto {state['to']}", force)
+        state["rescued"] = str(rescued) if rescued else None
     tree.reset_hard(state["orig"], ignored=True)
     restored = {"commit": state["from_commit"]} if state.get("from_commit") else {}
     tree.write_state(pin=state["from"], dropped=state.get("dropped_before", []), **restored)
@@ -640,6 +702,7 @@ def rebase_skip(tree: Tree, patches: list[Patch], resolver: Resolver | None = No
                 names_check: NamesCheck | None = None) -> tuple[Report, dict[str, Any] | None]:
     """Drop the conflicted patch and go on; the next `snapshot` takes it out of the series and sets
     its file aside in patches/skipped/."""
+    tree.refuse_interrupted("rebase --skip")
     state = _conflicted_state(tree, "skip")
     tree.reset_hard("HEAD")
     dropped = tree.read_state().get("dropped", [])

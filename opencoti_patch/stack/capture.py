@@ -24,7 +24,16 @@ from typing import Any
 
 from ..config import DEFAULT_AUTHOR, Settings
 from ..errors import CheckFailed, OpencotiError
-from .apply import CLEAN, apply_one, finish_rebase, rebase_state, rebase_waiting, scratch_index
+from .apply import (
+    CLEAN,
+    apply_one,
+    finish_rebase,
+    rebase_state,
+    rebase_waiting,
+    refuse_empty_series,
+    scratch_index,
+)
+from .pins import committed_series, keep_old_series
 from .series import (
     PatchHeader,
     check_name,
@@ -77,6 +86,7 @@ class SnapshotResult:
     skipped: list[str] = field(default_factory=list)  # set aside in patches/skipped/ (a rebase skipped them)
     rebased_onto: str | None = None  # the done rebase this snapshot finished
     default_pin: str | None = None  # "NEW (was OLD)" when it moved upstream.toml's default to NEW
+    old_series: str | None = None  # what became of the series the rebase's old pin had (pins.keep_old_series)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,6 +104,7 @@ class NewPatch:
     author: str | None = None
     tests: tuple[str, ...] | None = None  # the `Test:` lines (replacing the patch's own)
     patch: str | None = None  # edit the header of this applied patch (not the top one)
+    into: str | None = None  # fold the edits into this applied patch, rewriting the ones above it
 
     def apply_to(self, header: PatchHeader) -> PatchHeader:
         changes: dict[str, object] = {k: v for k, v in (
@@ -142,6 +153,8 @@ def _entries(tree: Tree, new: NewPatch, top: bool) -> tuple[list[Entry], str | N
     edited = final != (entries[-1].tree if entries else base)
     captured = [i for i, e in enumerate(entries) if e.name is not None]
     loose = [i for i, e in enumerate(entries) if e.name is None]
+    if new.into is not None:
+        return _fold_into(tree, entries[: captured[-1] + 1] if captured else [], new, base, final), new.into
     if top:
         if not captured:
             raise OpencotiError("no patch is applied, so there is no top patch: use --new NAME")
@@ -174,11 +187,59 @@ def _entries(tree: Tree, new: NewPatch, top: bool) -> tuple[list[Entry], str | N
     outside = sorted(_changed_paths(tree, top_entry.tree, final) - own)
     if outside:
         raise OpencotiError(
-            f"the edits touch files the top patch {top_entry.name} does not ({', '.join(outside[:5])}); "
+            f"the edits touch files the top patch {top_entry.name} does not ({', '.join(outside)}); "
             "use `snapshot --top` to fold them in anyway, or `--new NAME` for a new patch"
         )
     entries[-1] = Entry(top_entry.name, top_entry.header, final)
     return entries, top_entry.name
+
+
+def _apply_in_scratch(tree: Tree, base: str, diff: bytes) -> tuple[str | None, str]:
+    """The git tree of ``base`` with ``diff`` applied (context must match, no fuzz; git may find a hunk
+    at another line), or None and git's reason."""
+    with tempfile.TemporaryDirectory(prefix="opencoti-fold-") as tmp:
+        patch = Path(tmp) / "edits.diff"
+        patch.write_bytes(diff)
+        with scratch_index(tree, base) as index:
+            r = tree.git("apply", "--cached", "--whitespace=nowarn", str(patch), index=index, check=False)
+            if r.rc != 0:
+                lines = [ln.removeprefix("error: ").strip() for ln in r.err.splitlines() if ln.strip()]
+                return None, "; ".join(lines[:2]) or "git apply failed"
+            return tree.git("write-tree", index=index).text.strip(), ""
+
+
+def _fold_into(tree: Tree, entries: list[Entry], new: NewPatch, base: str, final: str) -> list[Entry]:
+    """``snapshot --into NAME``: the uncaptured edits (the tree as it is against the top patch, loose
+    commits included) folded into applied patch NAME, and each patch above it re-applied on top, so
+    that the last one gives the edited tree exactly; a clear refusal when that cannot be."""
+    name = new.into
+    at = next((i for i, e in enumerate(entries) if e.name == name), None)
+    if at is None:
+        applied = ", ".join(e.name or "" for e in entries) or "none"
+        raise OpencotiError(f"--into {name}: not an applied patch of the tree (applied: {applied})")
+    edits = _diff(tree, entries[-1].tree, final)
+    if not edits:
+        raise OpencotiError(f"--into {name}: there are no uncaptured edits to fold into it")
+    above = [e.name or "" for e in entries[at + 1:]]
+    folded, why = _apply_in_scratch(tree, entries[at].tree, edits)
+    if folded is None:
+        raise OpencotiError(f"--into {name}: the edits do not apply to the tree as {name} leaves it ({why}): "
+                            f"they change what a patch above it ({', '.join(above)}) brought; fold them into "
+                            "that patch, or `--top`")
+    out = [*entries[:at], Entry(name, new.apply_to(entries[at].header), folded)]
+    for before, e in zip(entries[at:], entries[at + 1:], strict=False):
+        rebuilt, why = _apply_in_scratch(tree, out[-1].tree, _diff(tree, before.tree, e.tree))
+        if rebuilt is None:
+            raise OpencotiError(f"--into {name}: {e.name}, above it, no longer applies on top of the folded "
+                                f"edits ({why}): the edits conflict with it; fold them into {e.name} (or a "
+                                "patch above), or `--top`")
+        out.append(Entry(e.name, e.header, rebuilt))
+    if out[-1].tree != final:
+        differs = ", ".join(sorted(_changed_paths(tree, out[-1].tree, final)))
+        raise OpencotiError(f"--into {name}: with the edits in {name} the patches above it do not give the "
+                            f"tree as edited (differs in {differs}): fold them into a patch above, or "
+                            "`--top`")
+    return out
 
 
 def snapshot(
@@ -191,10 +252,12 @@ def snapshot(
     """Write the tree's patch commits (and edits) back into patches/: plan the entries, number the
     new ones, render them, then (unless ``check``) stage, prove and swap in, and rewrite the commits."""
     tree.require()
+    tree.refuse_interrupted("snapshot --check" if check else "snapshot")
     rebasing = rebase_state(tree)
     if rebasing and not rebasing.get("done"):
         raise OpencotiError(f"cannot snapshot: {rebase_waiting(tree, rebasing)}")
     series = read_series(tree.settings.patches_dir)
+    refuse_empty_series(tree, series, "snapshot --check" if check else "snapshot")
     applied_before = [c.patch for c in tree.stack() if c.patch is not None]
     dropped = [n for n in tree.read_state().get("dropped", []) if n not in applied_before]
     unapplied = [n for n in series if n not in applied_before and n not in dropped]
@@ -221,12 +284,16 @@ def snapshot(
                               | ({"series"} if result.series != series else set()))
         return result
     final_tree = entries[-1].tree if entries else _tree_of(tree, tree.tag)
+    # the series patches/ holds now fits the rebase's old pin: the project commit that holds it, if any
+    old_head = committed_series(tree.settings.patches_dir, rebasing["from"]) if rebasing else None
     _stage_prove_and_swap(tree, rendered, result, final_tree, verify, rebasing)
     _rewrite_commits(tree, [e for e, _ in rendered])
     finished = finish_rebase(tree)
     if finished:
         result.rebased_onto = str(finished["to"])
         result.default_pin = _follow_default(tree, result.rebased_onto)
+        if finished["from"] in load_upstream(tree.settings.upstream_file).pins:
+            result.old_series = keep_old_series(tree.settings, str(finished["from"]), old_head)
     return result
 
 
@@ -316,7 +383,7 @@ def _stage_prove_and_swap(tree: Tree, rendered: list[tuple[Entry, bytes]], resul
             if not result.roundtrip.ok:
                 raise CheckFailed(
                     f"round trip failed: re-applying the series to {tree.tag} does not give the edited "
-                    f"tree ({result.roundtrip.detail or ', '.join(result.roundtrip.differs[:5])}); "
+                    f"tree ({result.roundtrip.detail or ', '.join(result.roundtrip.differs)}); "
                     f"{patches_dir} was left as it was"
                 )
 
@@ -399,6 +466,8 @@ def summary(result: SnapshotResult, patches_dir: Path) -> str:
     if result.default_pin:
         lines.append(f"upstream.toml: default pin is now {result.default_pin}, the upstream the patches "
                      "apply to")
+    if result.old_series:
+        lines.append(result.old_series)
     if result.marked:
         lines.append(f"markers added in {', '.join(result.marked)}: capture them with `snapshot --top`")
     return "\n".join(lines)

@@ -26,18 +26,23 @@ before git sees it; ``hunks.py`` (the in-memory applier) then proves every hunk 
 from __future__ import annotations
 
 import hashlib
+import posixpath
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from ..config import require_patches_dir
 from ..errors import OpencotiError
 from ..report import render
+from ..safe_extract import link_escapes
 
 NAME_RE = re.compile(r"^(\d{4})-([A-Za-z0-9][A-Za-z0-9._+-]*)\.patch$")
 HUNK_RE = re.compile(rb"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 FIELD_RE = re.compile(r"^(Upstream-Status|Feature|Test|Patch-Filename):[ \t]*(.*)$")
+INDEX_RE = re.compile(r"^index [0-9a-f]+\.\.[0-9a-f]+(?: ([0-7]{6}))?$")
+LINK_MODE = "120000"
 DEFAULT_UPSTREAM_STATUS = "Inappropriate [opencoti fork]"
 DEFAULT_FEATURE = "none (always on)"
 
@@ -78,6 +83,8 @@ class FilePatch:
     new_path: str | None  # None: file deleted
     binary: bool = False
     hunks: list[Hunk] = field(default_factory=list)
+    old_mode: str | None = None  # git modes as the diff states them (None: not stated)
+    new_mode: str | None = None
 
     @property
     def path(self) -> str:
@@ -156,6 +163,9 @@ def next_name(existing: Iterable[str], slug: str) -> str:
 
 
 def read_series(patches_dir: Path) -> list[str]:
+    """The patch names of ``patches_dir/series`` in order ([] when there is no series file yet); a
+    missing ``patches_dir`` is an error (the wrong folder: a project's patches folder exists)."""
+    require_patches_dir(patches_dir)
     path = patches_dir / "series"
     if not path.exists():
         return []
@@ -222,11 +232,13 @@ def _unquote(path: str) -> str:
     return path
 
 
-def _safe_path(raw: str, patch: str) -> str | None:
+def _safe_path(raw: str, patch: str, prefixed: bool = True) -> str | None:
+    """A path of the diff relative to the tree (None: /dev/null); ``prefixed``: it carries git's
+    ``a/`` or ``b/`` (the ``rename from``/``to`` lines do not)."""
     raw = _unquote(raw.strip().split("\t", 1)[0])
     if raw == "/dev/null":
         return None
-    if raw[:2] in ("a/", "b/"):
+    if prefixed and raw[:2] in ("a/", "b/"):
         raw = raw[2:]
     parts = raw.split("/")
     if raw.startswith("/") or ".." in parts or not raw or parts[0] == ".git":
@@ -317,12 +329,21 @@ def parse_diff(diff: bytes, name: str) -> list[FilePatch]:
             files.append(current)
         elif current is not None and text.startswith("new file mode"):
             current.old_path = None
+            current.new_mode = text.rsplit(" ", 1)[-1]
         elif current is not None and text.startswith("deleted file mode"):
             current.new_path = None
+            current.old_mode = text.rsplit(" ", 1)[-1]
+        elif current is not None and text.startswith("old mode "):
+            current.old_mode = text.rsplit(" ", 1)[-1]
+        elif current is not None and text.startswith("new mode "):
+            current.new_mode = text.rsplit(" ", 1)[-1]
+        elif current is not None and (m := INDEX_RE.match(text)) and m.group(1):
+            current.old_mode = current.old_mode or m.group(1)
+            current.new_mode = current.new_mode or m.group(1)
         elif current is not None and text.startswith(("rename from ", "copy from ")):
-            current.old_path = _safe_path(text.split(" from ", 1)[1], name)
+            current.old_path = _safe_path(text.split(" from ", 1)[1], name, prefixed=False)
         elif current is not None and text.startswith(("rename to ", "copy to ")):
-            current.new_path = _safe_path(text.split(" to ", 1)[1], name)
+            current.new_path = _safe_path(text.split(" to ", 1)[1], name, prefixed=False)
         elif text.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith(b"+++ "):
             old = _safe_path(text[4:], name)
             new = _safe_path(lines[i + 1].decode("utf-8", "surrogateescape")[4:], name)
@@ -344,7 +365,37 @@ def parse_diff(diff: bytes, name: str) -> list[FilePatch]:
         i += 1
     if not files:
         raise CorruptPatch(f"{name}: no diff in the patch")
+    for fp in files:
+        _check_link(fp, name)
     return files
+
+
+def _check_link(fp: FilePatch, name: str) -> None:
+    """Refuse a symbolic link the diff makes that would point outside the tree (absolute, ``..`` past
+    the top) or into ``.git``, as archives' links are refused (``safe_extract``); a diff turning a file
+    into a link (git writes a delete and a create instead) or a link whose target it does not show is
+    refused too. A renamed link keeps a target the diff does not show: ``apply.py`` checks it."""
+    if fp.new_mode != LINK_MODE or fp.new_path is None:
+        return
+    if fp.old_path is not None and fp.old_mode not in (None, LINK_MODE):
+        raise CorruptPatch(f"{name}: refusing {fp.new_path}: the patch turns a file into a symbolic link")
+    if fp.binary:
+        raise CorruptPatch(f"{name}: refusing {fp.new_path}: a symbolic link whose target is a binary patch")
+    if not fp.hunks:
+        return  # a mode line or a rename only: the target is the tree's (apply.py checks renames)
+    target = "\n".join(text for h in fp.hunks for _, tag, text in h.new_side())
+    problem = link_problem(fp.new_path, target)
+    if problem:
+        raise CorruptPatch(f"{name}: refusing {fp.new_path} -> {target!r}: a symbolic link that {problem}")
+
+
+def link_problem(path: str, target: str) -> str | None:
+    """What is wrong with a symbolic link at ``path`` in the tree pointing at ``target`` (None: it
+    stays inside the tree, out of ``.git``)."""
+    if link_escapes(path, target):
+        return "leaves the tree"
+    top = posixpath.normpath(posixpath.join(posixpath.dirname(path), target)).split("/", 1)[0]
+    return "points into .git" if top == ".git" else None
 
 
 def _parse_hunk(lines: list[bytes], i: int, fp: FilePatch, name: str) -> int:

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..config import Settings
 from ..errors import OpencotiError
-from .apply import rebase_state
+from .apply import rebase_state, refuse_empty_series
 from .series import parse_patch, read_series
 from .tree import StackCommit, Tree
 from .upstream import load_upstream
@@ -21,13 +21,14 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
     data: dict[str, Any] = {"tree": str(settings.tree), "exists": tree.exists(), "pin": None,
                             "project_pin": project_pin, "backup": "none", "applied": [],
                             "unapplied": [], "uncaptured_commits": [], "dirty": [],
-                            "interrupted": False, "rebase": None}
+                            "interrupted": False, "rebase": None, "identity": None}
     series = read_series(settings.patches_dir)
     if not tree.exists() or not tree.is_repo() or not tree.read_state().get("pin"):
         data["backup"] = f"none (run `{settings.command('backup')}`)" if tree.exists() else "none"
         data["unapplied"] = series
         return data
     data["pin"] = tree.pin
+    data["identity"] = tree.identity()
     if tree.rev(tree.tag) is None:
         data["backup"] = f"DAMAGED: tag {tree.tag} missing"
         return data
@@ -37,6 +38,7 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
     else:
         data["backup"] = f"{tree.tag} (manifest present; `backup --verify` to prove it)" \
             if tree.manifest_path(tree.pin).is_file() else f"{tree.tag} (manifest MISSING)"
+    refuse_empty_series(tree, series, "show the status against it")
     data["applied"], data["uncaptured_commits"] = applied_patches(settings, tree.stack(), series)
     names = {a["name"] for a in data["applied"]}
     data["unapplied"] = [n for n in series if n not in names]
@@ -49,7 +51,7 @@ def status_data(settings: Settings, verify: bool = False) -> dict[str, Any]:
         data["rebase"] = {"to": rebasing["to"], "from": rebasing.get("from"), "current": current.get("patch"),
                           "files": current.get("files", []), "done": bool(rebasing.get("done")),
                           "skipped": skipped, "remaining": rebasing.get("remaining", [])[1:],
-                          "names_stop": bool(rebasing.get("names_stop"))}
+                          "names_stop": bool(rebasing.get("names_stop")), "left": current.get("left", [])}
     return data
 
 
@@ -99,7 +101,7 @@ def stale_against_series(tree: Tree, rev: str | None = None) -> list[str]:
     problems += [f"{n}: not applied" for n in series if n not in names]
     problems += [f"uncaptured commit {c}" for c in loose]
     if dirty:
-        problems.append(f"{len(dirty)} uncaptured edit(s) ({dirty[0].strip()}, ...)")
+        problems.append(f"{len(dirty)} uncaptured edit(s) ({', '.join(d.strip() for d in dirty)})")
     if names != series[: len(names)]:
         problems.append("the applied patches are not the series' order")
     if rebase:

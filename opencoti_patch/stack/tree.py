@@ -52,7 +52,7 @@ from ..errors import CheckFailed, LockBusy, OpencotiError
 from ..report import info
 from .gitrun import GitResult, isolated_env
 from .series import FIELD_RE, PatchHeader
-from .upstream import Pin, Upstream, materialize, sha256_file
+from .upstream import Pin, Upstream, identity_text, materialize, sha256_file
 
 ATTRIBUTES = "* -text -filter -ident -working-tree-encoding\n"
 REPO_CONFIG = {
@@ -90,13 +90,10 @@ class TreeDiff:
     def clean(self) -> bool:
         return not (self.missing or self.changed or self.added)
 
-    def summary(self, limit: int = 5) -> str:
-        parts = []
-        for label, items in (("missing", self.missing), ("changed", self.changed), ("added", self.added)):
-            if items:
-                more = f" (+{len(items) - limit} more)" if len(items) > limit else ""
-                shown = ", ".join(items[:limit]) + more
-                parts.append(f"{len(items)} {label}: {shown}")
+    def summary(self) -> str:
+        """Every path that differs, by kind (``--json`` has the same lists)."""
+        kinds = (("missing", self.missing), ("changed", self.changed), ("added", self.added))
+        parts = [f"{len(items)} {label}: {', '.join(items)}" for label, items in kinds if items]
         return "; ".join(parts) or "identical"
 
 
@@ -381,13 +378,16 @@ class Tree:
             self.git("add", "--force", "--all", "--", ".", index=index, work_tree=src)
             tree = self.git("write-tree", index=index, work_tree=src).text.strip()
         uname, uemail = UPSTREAM_AUTHOR
-        message = f"upstream {pin.name} (llama.cpp {pin.commit})\n"
+        # a commit pin's message as it always was (its upstream commit id does not change)
+        what = f"llama.cpp {pin.commit}" if pin.commit and not pin.release else pin.identity["identity"]
+        message = f"upstream {pin.name} ({what})\n"
         if pin.description:
             message += f"\n{pin.description}\n"
         commit = self.commit_tree(tree, [], message, f"{uname} <{uemail}>")
         self.git("tag", "--force", pin.tag, commit)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        manifest = {"pin": pin.name, "commit": pin.commit, "tree": tree, "upstream_commit": commit,
+        manifest = {"pin": pin.name, "commit": pin.commit, "release": pin.release,
+                    "archive_sha256": pin.archive_sha256, "tree": tree, "upstream_commit": commit,
                     "files": files}
         self.manifest_path(pin.name).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         problems = self.verify_backup(pin.name)
@@ -409,6 +409,17 @@ class Tree:
         self.git("read-tree", commit)  # index = upstream; the worktree already is
         self.write_state(pin=pin.name, commit=pin.commit)
         return commit
+
+    def identity(self, pin: str | None = None) -> dict[str, str | None]:
+        """What the stored upstream of ``pin`` (default: the tree's) is: its llama.cpp commit, or its
+        release and archive sha256 (recorded in its backup manifest), and that in words."""
+        name = pin or self.pin
+        path = self.manifest_path(name)
+        manifest = json.loads(path.read_text()) if path.is_file() else {}
+        commit = manifest.get("commit", self.read_state().get("commit") if name == self.pin else None)
+        release, sha = manifest.get("release"), manifest.get("archive_sha256")
+        return {"pin": name, "commit": commit, "release": release, "archive_sha256": sha,
+                "identity": identity_text(commit, release, sha) if commit or release else "unknown"}
 
     def commit_tree(self, tree: str, parents: list[str], message: str, author: str) -> str:
         name, email = split_author(author)
@@ -554,14 +565,14 @@ class Tree:
 
     def guard_clean(self, action: str, force: bool) -> Path | None:
         """Refuse to let ``action`` overwrite uncaptured work; with ``force``, save it first."""
+        self.refuse_interrupted(action)  # a half-applied patch is not work to capture or rescue
         dirty = self.dirty()
         loose = self.uncaptured_commits()
         if not dirty and not loose:
             return None
         what = []
         if dirty:
-            what.append(f"{len(dirty)} edited file(s) ({', '.join(d[3:] for d in dirty[:3])}"
-                        f"{', ...' if len(dirty) > 3 else ''})")
+            what.append(f"{len(dirty)} edited file(s) ({', '.join(d[3:] for d in dirty)})")
         if loose:
             what.append(f"{len(loose)} commit(s) not captured as patches")
         if not force:
@@ -582,6 +593,18 @@ class Tree:
 
     def interrupted(self) -> bool:
         return self.txn_file.exists()
+
+    def refuse_interrupted(self, action: str) -> None:
+        """Refuse ``action`` while a killed run's transaction is open: the tree holds a half-applied
+        patch, which is neither the series nor the user's work. ``apply`` (or ``restore``) recovers it."""
+        if self.interrupted():
+            cmd = self.settings.command
+            raise OpencotiError(
+                f"cannot {action}: an opencoti-patch run was killed while applying a patch ({self.txn_file} "
+                f"is there) and {self.path} holds its half-applied files; `{cmd('apply')}` brings the tree "
+                f"back (it saves them to {self.settings.rescue_dir}/ and applies the rest of the series), "
+                f"or `{cmd('restore')}` (pristine upstream)"
+            )
 
     @contextmanager
     def transaction(self) -> Iterator[None]:

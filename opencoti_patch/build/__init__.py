@@ -1,1 +1,0 @@
-"""Layer 3: configure/build/stamp, verify-identical, the logits harness, test models."""

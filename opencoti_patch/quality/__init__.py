@@ -1,1 +1,0 @@
-"""Layer 4: quality gates of the sparse stack - eval, loadtest, bench."""
