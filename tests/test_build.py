@@ -16,6 +16,7 @@ import pytest
 from test_house import fake_ccache
 
 from opencoti_patch.builds import builder as b
+from opencoti_patch.builds import stamp as stamp_mod
 from opencoti_patch.builds.workflow import render_workflow, write_workflow
 from opencoti_patch.errors import CheckFailed, OpencotiError
 from opencoti_patch.verify import identical as ident
@@ -38,35 +39,35 @@ def _series(tmp: Path, patches: dict[str, str], order: list[str] | None = None) 
 
 def test_fingerprint_changes_with_patch_content_and_order(tmp_path: Path) -> None:
     d = _series(tmp_path, {"0001-a.patch": "A\n", "0002-b.patch": "B\n"})
-    fp1 = b.series_fingerprint(d)
-    assert fp1 == b.series_fingerprint(d) and len(fp1) == 64
+    fp1 = stamp_mod.series_fingerprint(d)
+    assert fp1 == stamp_mod.series_fingerprint(d) and len(fp1) == 64
     (d / "0002-b.patch").write_text("B changed\n")
-    fp2 = b.series_fingerprint(d)
+    fp2 = stamp_mod.series_fingerprint(d)
     assert fp2 != fp1
     (d / "series").write_text("# comment\n0002-b.patch\n0001-a.patch\n")
-    assert b.series_fingerprint(d) not in (fp1, fp2)
+    assert stamp_mod.series_fingerprint(d) not in (fp1, fp2)
     # a file that is not in the series does not count
     (d / "0003-unused.patch").write_text("X\n")
-    assert b.series_fingerprint(d) == b.series_fingerprint(d)
+    assert stamp_mod.series_fingerprint(d) == stamp_mod.series_fingerprint(d)
 
 
 def test_fingerprint_framing_and_empty(tmp_path: Path) -> None:
-    assert b.series_fingerprint(None) == b.series_fingerprint(tmp_path / "nothing")
+    assert stamp_mod.series_fingerprint(None) == stamp_mod.series_fingerprint(tmp_path / "nothing")
     (tmp_path / "x").mkdir()
     (tmp_path / "y").mkdir()
     d1 = _series(tmp_path / "x", {"0001-a.patch": "AB", "0002-b.patch": ""})
     d2 = _series(tmp_path / "y", {"0001-a.patch": "A", "0002-b.patch": "B"})
-    assert b.series_fingerprint(d1) != b.series_fingerprint(d2)  # bytes moved between patches
+    assert stamp_mod.series_fingerprint(d1) != stamp_mod.series_fingerprint(d2)  # bytes moved between patches
 
 
 def test_fingerprint_missing_patch(tmp_path: Path) -> None:
     d = _series(tmp_path, {"0001-a.patch": "A\n"}, order=["0001-a.patch", "0002-gone.patch"])
     with pytest.raises(OpencotiError, match="0002-gone.patch"):
-        b.series_fingerprint(d)
+        stamp_mod.series_fingerprint(d)
 
 
 def test_build_stamp() -> None:
-    assert b.build_stamp("0c1e57098", "ab" * 32) == "0c1e57098+abababababab"
+    assert stamp_mod.build_stamp("0c1e57098", "ab" * 32) == "0c1e57098+abababababab"
 
 
 # ------------------------------------------------------------------ export
@@ -205,9 +206,9 @@ def test_progress_non_tty(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_artifact_key() -> None:
-    assert b.artifact_key("libllama.so.0.5.0") == "libllama.so"
-    assert b.artifact_key("libggml-cpu.so") == "libggml-cpu.so"
-    assert b.artifact_key("llama-cli") == "llama-cli"
+    assert stamp_mod.artifact_key("libllama.so.0.5.0") == "libllama.so"
+    assert stamp_mod.artifact_key("libggml-cpu.so") == "libggml-cpu.so"
+    assert stamp_mod.artifact_key("llama-cli") == "llama-cli"
 
 
 # ------------------------------------------------------------------ target mapping
@@ -343,8 +344,8 @@ def _fake_build(tmp: Path) -> b.BuildResult:
 def test_manifest_and_install(tmp_path: Path) -> None:
     res = _fake_build(tmp_path)
     d = _series(tmp_path, {"0001-a.patch": "A\n"})
-    fp = b.series_fingerprint(d)
-    m = b.make_manifest(res, pin="0c1e57098", fingerprint=fp, series=["0001-a.patch"],
+    fp = stamp_mod.series_fingerprint(d)
+    m = stamp_mod.make_manifest(res, pin="0c1e57098", fingerprint=fp, series=["0001-a.patch"],
                         source={"tree": "/t", "rev": "working-tree"}, tools=["llama-cli"])
     assert m["upstream_pin"] == "0c1e57098" and m["series_fingerprint"] == fp
     arts = {a["name"]: a for a in m["artifacts"]}
@@ -353,7 +354,7 @@ def test_manifest_and_install(tmp_path: Path) -> None:
     assert arts["llama-cli"]["kind"] == "tool" and arts["libggml-cpu.so"]["kind"] == "dso"
     assert all(str(tmp_path) not in o for o in m["cmake_options"])  # portable
     assert set(m["toolchain"]) == {"cmake", "ninja", "cc", "cxx", "nvcc", "ccache"}
-    js, md = b.write_manifest(m, res.build, TEMPLATES)
+    js, md = stamp_mod.write_manifest(m, res.build, TEMPLATES)
     assert json.loads(js.read_text()) == m
     text = md.read_text()
     assert fp in text and "0001-a.patch" in text
@@ -361,12 +362,12 @@ def test_manifest_and_install(tmp_path: Path) -> None:
 
     dests = [tmp_path / "i1", tmp_path / "i2"]
     for dest in dests:
-        assert sorted(b.install(m, res.bin, dest)) == ["libggml-cpu.so", "libllama.so.0.5.0"]
+        assert sorted(stamp_mod.install(m, res.bin, dest)) == ["libggml-cpu.so", "libllama.so.0.5.0"]
         assert (dest / "libllama.so").resolve().name == "libllama.so.0.5.0"
-        assert not (dest / "llama-cli").exists() and (dest / b.MANIFEST_JSON).is_file()
+        assert not (dest / "llama-cli").exists() and (dest / stamp_mod.MANIFEST_JSON).is_file()
     m["artifacts"][0]["sha256"] = "0" * 64
     with pytest.raises(CheckFailed, match="sha256"):
-        b.install(m, res.bin, tmp_path / "i3")
+        stamp_mod.install(m, res.bin, tmp_path / "i3")
 
 
 def test_report_rendering(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from prereq import REQUIRE_ALL, unavailable
 
 from opencoti_patch.builds import builder as b
+from opencoti_patch.builds import stamp as stamp_mod
 from opencoti_patch.builds.harness import SINGLE_EXE, build_harness
 from opencoti_patch.cli import cli
 from opencoti_patch.config import Settings
@@ -36,6 +37,7 @@ from opencoti_patch.lab import multidevice as md
 from opencoti_patch.lab.batch import BATCH_EXE, build_lab_harness
 from opencoti_patch.lab.model import find_model
 from opencoti_patch.stack.series import read_series
+from opencoti_patch.stack.upstream import sha256_file
 from opencoti_patch.verify import identical as ident
 from opencoti_patch.verify import synth_gguf
 
@@ -155,27 +157,27 @@ def test_rebuild_manifest_stamp_install(cfg: ident.VerifyConfig, pristine: b.Bui
     patches.mkdir()
     (patches / "0001-x.patch").write_text("not applied; only fingerprinted\n")
     (patches / "series").write_text("0001-x.patch\n")
-    fp = b.series_fingerprint(patches)
+    fp = stamp_mod.series_fingerprint(patches)
     opts = replace(cfg.options, targets=TARGETS)
     installs = [tmp_path / "site-a", tmp_path / "site-b"]
-    manifest, out_dir = b.rebuild(pristine.src, cfg.work, opts, label="rebuild", rev=None, pin="0c1e57098",
-                                  patches_dir=patches, template_dirs=TEMPLATES, install_dirs=installs,
-                                  progress=False)
+    manifest, out_dir = stamp_mod.rebuild(pristine.src, cfg.work, opts, label="rebuild", rev=None,
+                                          pin="0c1e57098", patches_dir=patches, template_dirs=TEMPLATES,
+                                          install_dirs=installs, progress=False)
     stamp = f"0c1e57098+{fp[:12]}"
     assert manifest["build_commit"] == stamp and manifest["series_fingerprint"] == fp
     assert manifest["series"] == ["0001-x.patch"]
-    keys = {b.artifact_key(a["name"]) for a in manifest["artifacts"]}
+    keys = {stamp_mod.artifact_key(a["name"]) for a in manifest["artifacts"]}
     assert {"libggml-base.so", "libggml.so", "libggml-cpu.so", "libllama.so"} <= keys
     bin_dir = out_dir / "bin"
     for art in manifest["artifacts"]:
-        assert b.sha256_file(bin_dir / art["name"]) == art["sha256"]
+        assert sha256_file(bin_dir / art["name"]) == art["sha256"]
     # the stamp is in the binaries: ggml_commit() of libggml-base comes from the stub git
     base = next(a["name"] for a in manifest["artifacts"] if a["name"].startswith("libggml-base.so"))
     assert stamp.encode() in (bin_dir / base).read_bytes()
     assert manifest["toolchain"]["cc"] and "-DGGML_BACKEND_DL=ON" in manifest["cmake_options"]
-    assert (out_dir / b.MANIFEST_MD).read_text().count("`lib") >= 4
+    assert (out_dir / stamp_mod.MANIFEST_MD).read_text().count("`lib") >= 4
     for d in installs:
-        assert (d / "libllama.so").exists() and (d / b.MANIFEST_JSON).is_file()
+        assert (d / "libllama.so").exists() and (d / stamp_mod.MANIFEST_JSON).is_file()
 
 
 @needs_source

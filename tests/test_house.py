@@ -7,11 +7,13 @@ import shutil
 import subprocess
 import sys
 import venv
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from opencoti_patch.builds import builder as b
+from opencoti_patch.builds import stamp as stamp_mod
 from opencoti_patch.config import SHIPPED_TEMPLATES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,11 +80,11 @@ def test_ccache_wanted_but_not_installed_is_off_everywhere(tmp_path: Path,
 
     monkeypatch.setenv("PATH", path_without_ccache(tmp_path))
     opts = b.BuildOptions(ccache=True)
-    assert opts.ccache is False and b.replace(opts, ccache=True).ccache is False
+    assert opts.ccache is False and replace(opts, ccache=True).ccache is False
     args = b.cmake_args(tmp_path, tmp_path / "b", opts, tmp_path / "h")
     assert not any("LAUNCHER=ccache" in a for a in args)
     assert not any("LAUNCHER" in a for a in harness_args(tmp_path, tmp_path / "bin", tmp_path / "hb", opts))
-    b.write_helpers(tmp_path / "h", tmp_path, b.replace(opts, cuda=True))
+    b.write_helpers(tmp_path / "h", tmp_path, replace(opts, cuda=True))
     assert "CCACHE = None" in (tmp_path / "h" / "nvcc-launcher.py").read_text()
     assert b.build_env(tmp_path, opts)["CCACHE_DISABLE"] == "1"
 
@@ -111,9 +113,9 @@ def test_rebuild_without_ccache_builds_a_tiny_project(tmp_path: Path,
     (tree / "g.c").write_text("int g(void) { return 0; }\n")
     (tree / "t.c").write_text("int g(void);\nint main(void) { return g(); }\n")
     opts = b.BuildOptions(targets=("ggml-base", "llama-tiny"), optional_targets=())
-    manifest, out_dir = b.rebuild(tree, tmp_path / "work", opts, label="cpu", rev=None, pin="tiny",
-                                  patches_dir=None, template_dirs=[SHIPPED_TEMPLATES],
-                                  install_dirs=[tmp_path / "installed"], progress=False)
+    manifest, out_dir = stamp_mod.rebuild(tree, tmp_path / "work", opts, label="cpu", rev=None, pin="tiny",
+                                          patches_dir=None, template_dirs=[SHIPPED_TEMPLATES],
+                                          install_dirs=[tmp_path / "installed"], progress=False)
     log = (out_dir / "opencoti-build.log").read_text().replace(str(tmp_path), "<tmp>")
     assert "ccache" not in log.replace("GGML_CCACHE", ""), log
     assert not any("LAUNCHER" in a for a in manifest["cmake_options"])

@@ -16,6 +16,7 @@ import pytest
 from opencoti_patch.builds import builder as b
 from opencoti_patch.errors import CheckFailed, OpencotiError
 from opencoti_patch.stack.series import FilePatch
+from opencoti_patch.stack.upstream import sha256_file
 from opencoti_patch.verify import identical as ident
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +44,7 @@ def _harness_run(tmp: Path, label: str, *, rows: int = 1 + DECODE, dump: bool = 
         path.write_bytes(array.array("f", logits).tobytes())
     data = {"rows": 1 + DECODE, "n_vocab": N_VOCAB, "n_decode": DECODE, "n_prompt": n_prompt,
             "decode_tokens": [1] * tokens, "state_size": 10, "nodes": None} if summary else None
-    return ident.HarnessRun(label, "f16", 0, log, path, b.sha256_file(path) if dump else None, data,
+    return ident.HarnessRun(label, "f16", 0, log, path, sha256_file(path) if dump else None, data,
                             ident.parse_log_facts(LOG))
 
 

@@ -352,7 +352,7 @@ def test_release_pins_parse_and_refuse(tmp_path: Path) -> None:
 
 
 def test_the_stamp_names_a_release_or_commit_the_pin_name_does_not() -> None:
-    from opencoti_patch.builds.builder import build_stamp
+    from opencoti_patch.builds.stamp import build_stamp
 
     fp = "ab" * 32
     assert build_stamp("b11434", fp, {"commit": None, "release": "b11434"}) == "b11434+abababababab"

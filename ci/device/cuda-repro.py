@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from opencoti_patch.builds import builder as b  # noqa: E402
+from opencoti_patch.builds import stamp as stamp_mod  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def main() -> int:
     work = Path(sys.argv[1]).resolve()
     if sys.argv[2] == "--compare":
-        ma, mb = (json.loads((work / lbl / "build" / b.MANIFEST_JSON).read_text()) for lbl in sys.argv[3:5])
-        ha = {b.artifact_key(a["name"]): a["sha256"] for a in ma["artifacts"]}
-        hb = {b.artifact_key(a["name"]): a["sha256"] for a in mb["artifacts"]}
+        ma, mb = (json.loads((work / lbl / "build" / stamp_mod.MANIFEST_JSON).read_text())
+                  for lbl in sys.argv[3:5])
+        ha = {stamp_mod.artifact_key(a["name"]): a["sha256"] for a in ma["artifacts"]}
+        hb = {stamp_mod.artifact_key(a["name"]): a["sha256"] for a in mb["artifacts"]}
         bad = 0
         for k in sorted(set(ha) | set(hb)):
             same = ha.get(k) == hb.get(k)
@@ -42,9 +44,9 @@ def main() -> int:
     opts = b.BuildOptions(targets=("ggml-base", "ggml", "ggml-cpu", "ggml-cuda", "llama"),
                           optional_targets=(), cuda=True, cuda_arch="90", ccache=False)
     for label in sys.argv[2:]:
-        manifest, out = b.rebuild(tree, work, opts, label=label, rev=None, pin="0c1e57098", patches_dir=None,
-                                  template_dirs=[ROOT / "opencoti_patch" / "templates"], fresh=True,
-                                  progress=True)
+        manifest, out = stamp_mod.rebuild(tree, work, opts, label=label, rev=None, pin="0c1e57098",
+                                          patches_dir=None, fresh=True, progress=True,
+                                          template_dirs=[ROOT / "opencoti_patch" / "templates"])
         print(label, out, [(a["name"], a["sha256"][:16]) for a in manifest["artifacts"]])
     return 0
 

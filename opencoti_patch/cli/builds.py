@@ -1,5 +1,5 @@
 """Click commands of the build side: rebuild and ci-workflow (logic in builds/builder.py,
-builds/workflow.py), verify-identical and check (verify/identical.py, verify/check.py)."""
+builds/stamp.py, builds/workflow.py), verify-identical and check (verify/identical.py, verify/check.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from ..builds.builder import (
     TOOL_TARGETS,
     BuildOptions,
     have_gpu,
-    rebuild,
 )
+from ..builds.stamp import rebuild
 from ..builds.workflow import WORKFLOW_OUT, write_workflow
 from ..config import Settings
 from ..errors import CheckFailed, OpencotiError, PatchFailed

@@ -19,6 +19,7 @@ from ..markers.resolve import check_added_regions, resolve_conflicts
 from ..report import info, render
 from ..stack import apply as apply_mod
 from ..stack import bump as bump_mod
+from ..stack import rebase as rebase_mod
 from ..stack.capture import NewPatch, snapshot, stale_report, summary
 from ..stack.series import load_series
 from ..stack.status import status_data
@@ -304,7 +305,7 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
     resolver = None if no_resolve else resolve_conflicts
     with tree_lock(settings):
         if abort:
-            aborted = apply_mod.rebase_abort(tree, force)
+            aborted = rebase_mod.rebase_abort(tree, force)
             if aborted.get("rescued"):
                 info(f"uncaptured work saved to {aborted['rescued']}")
             click.echo(f"rebase onto {aborted['to']} aborted; back on {aborted['from']} and its stack"
@@ -312,13 +313,13 @@ def rebase_cmd(settings: Settings, to_pin: str | None, from_file: Path | None, c
                           if aborted.get("default_restored") else ""))
             return
         if cont:
-            report, pending = apply_mod.rebase_continue(tree, patches, resolver, check_added_regions)
+            report, pending = rebase_mod.rebase_continue(tree, patches, resolver, check_added_regions)
         elif skip:
-            report, pending = apply_mod.rebase_skip(tree, patches, resolver, check_added_regions)
+            report, pending = rebase_mod.rebase_skip(tree, patches, resolver, check_added_regions)
         else:
             up = _upstream(settings)
-            report, pending = apply_mod.rebase(tree, patches, up.pin(to_pin), up, settings, from_file,
-                                               force, resolver, check_added_regions)
+            report, pending = rebase_mod.rebase(tree, patches, up.pin(to_pin), up, settings, from_file,
+                                                force, resolver, check_added_regions)
     text = f"rebase onto {report.pin}:\n{_outcome_lines(report)}"
     if pending:
         text += "\n" + _stop_text(pending, f"`{settings.command('rebase --continue')}`")

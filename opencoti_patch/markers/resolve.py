@@ -235,7 +235,7 @@ def check_added_regions(path: str, text: str, added: Sequence[int], old_upstream
     tree (``known``: which of some names it has) has nowhere: the names rule's test, on what git
     merged with no conflict. In a fork-only file, what the old upstream headers (``old_known``) have
     stand for the old file. Each flagged region is a dict: ``file``, ``lines`` (its span, 1-based), ``names``,
-    ``rule``, ``why`` (``stack.apply.NamesCheck``)."""
+    ``rule``, ``why`` (``stack.rebase.NamesCheck``)."""
     lines = text.split("\n")
     regions, fork = added_regions(lines, added)
     if not regions or not fork and (old_upstream is None or new_upstream is None):

@@ -23,8 +23,9 @@ from typing import Any
 
 from ..config import Settings
 from ..errors import OpencotiError
-from .apply import NamesCheck, Report, Resolver, apply_series, rebase, rebase_continue, rebase_state
+from .apply import Report, Resolver, apply_series, rebase_state
 from .capture import SnapshotResult, snapshot
+from .rebase import NamesCheck, rebase, rebase_continue
 from .series import load_series
 from .status import stale_against_series
 from .tree import Tree

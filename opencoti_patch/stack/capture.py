@@ -27,13 +27,13 @@ from ..errors import CheckFailed, OpencotiError
 from .apply import (
     CLEAN,
     apply_one,
-    finish_rebase,
     rebase_state,
     rebase_waiting,
     refuse_empty_series,
     scratch_index,
 )
 from .pins import committed_series, keep_old_series
+from .rebase import finish_rebase
 from .series import (
     PatchHeader,
     check_name,

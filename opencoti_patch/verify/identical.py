@@ -47,15 +47,14 @@ from ..builds.builder import (
     LIB_TARGETS,
     BuildOptions,
     BuildResult,
-    artifact_key,
     changed_files,
-    collect_artifacts,
     configure_and_build,
     export_tree,
     find_tool,
 )
 from ..builds.builder import _excluded as excluded_from_export
 from ..builds.harness import SINGLE_EXE, build_harness
+from ..builds.stamp import artifact_key, collect_artifacts
 from ..config import write_report
 from ..errors import CheckFailed, OpencotiError
 from ..report import info, render
