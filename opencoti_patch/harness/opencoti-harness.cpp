@@ -316,9 +316,11 @@ struct state_layout {
     std::vector<size_t> k_off, k_row;               // per layer: offset of the rows, bytes per row
     std::vector<size_t> v_off, v_row, v_el, v_embd;  // per layer (v_row: not transposed)
     size_t head_k = 4 + 8, head_v = 4 + 8;          // bytes of a layer's header
+    size_t layers_head = 8;  // v_trans, n_layer (+ n_rot_k, n_rot_v where the cache writes its rotation)
 };
 
-bool parse_state(const std::vector<uint8_t> & st, size_t ext_size, state_layout & L) {
+// rot: the layout of newer upstreams, which write n_rot_k and n_rot_v after n_layer
+bool parse_state(const std::vector<uint8_t> & st, size_t ext_size, bool rot, state_layout & L) {
     state_reader r{ st.data(), st.size() };
     r.get<uint32_t>();  // magic
     r.get<int32_t>();   // seq_id
@@ -340,6 +342,11 @@ bool parse_state(const std::vector<uint8_t> & st, size_t ext_size, state_layout 
     const uint32_t n_layer = r.get<uint32_t>();
     if (!r.ok || L.v_trans > 1 || n_layer == 0 || n_layer > 4096) {
         return false;
+    }
+    if (rot) {
+        r.get<uint32_t>();  // n_rot_k
+        r.get<uint32_t>();  // n_rot_v
+        L.layers_head = 16;
     }
     for (uint32_t il = 0; il < n_layer && r.ok; ++il) {
         r.get<int32_t>();
@@ -377,9 +384,14 @@ tiled_state tile_state(const std::vector<uint8_t> & st, uint32_t n) {
     state_layout L;
     bool parsed = false;
     for (const size_t ext : { (size_t) 0, (size_t) 12 }) {
-        L = state_layout{};
-        if (parse_state(st, ext, L)) {
-            parsed = true;
+        for (const bool rot : { false, true }) {
+            L = state_layout{};
+            if (parse_state(st, ext, rot, L)) {
+                parsed = true;
+                break;
+            }
+        }
+        if (parsed) {
             break;
         }
     }
@@ -401,7 +413,7 @@ tiled_state tile_state(const std::vector<uint8_t> & st, uint32_t n) {
         size_t dst;       // offset of the header in the output
     };
     std::vector<part> parts;
-    size_t size = L.meta_off + (size_t) n * L.meta_cell + 8;
+    size_t size = L.meta_off + (size_t) n * L.meta_cell + L.layers_head;
     for (size_t il = 0; il < n_layer; ++il) {
         parts.push_back({ L.k_off[il] - L.head_k, L.head_k, L.k_off[il], L.k_row[il], 1, size });
         size += L.head_k + L.k_row[il] * n;
@@ -431,7 +443,7 @@ tiled_state tile_state(const std::vector<uint8_t> & st, uint32_t n) {
         const int32_t pos = (int32_t) i;
         memcpy(w, &pos, 4);
     }
-    memcpy(o + L.meta_off + (size_t) n * L.meta_cell, src + L.meta_off + C * L.meta_cell, 8);  // v_trans, n_layer
+    memcpy(o + L.meta_off + (size_t) n * L.meta_cell, src + L.meta_off + C * L.meta_cell, L.layers_head);
 
     // the layers in parallel (tens of GiB at 512K-1M cells)
     auto fill = [&](size_t first, size_t step) {
