@@ -40,6 +40,11 @@ class Check:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"status": self.status}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Check:
+        """The check :meth:`as_dict` wrote (its derived ``status`` is dropped)."""
+        return cls(d["name"], d["stage"], d["passed"], d["summary"], list(d.get("evidence", [])))
+
 
 @dataclass(frozen=True)
 class Verdict:

@@ -357,8 +357,7 @@ def portable_args(cmd: Sequence[str], work: Path) -> list[str]:
 
 def result_verdict(result: dict[str, Any]) -> Verdict:
     """The verdict of a layout's result (its checks as :func:`evaluate` wrote them)."""
-    checks = [Check(c["name"], c["stage"], c["passed"], c["summary"], c.get("evidence", []))
-              for c in result.get("checks", [])]
+    checks = [Check.from_dict(c) for c in result.get("checks", [])]
     return verdict_of(checks, STAGES)
 
 

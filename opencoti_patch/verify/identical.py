@@ -759,8 +759,7 @@ def required_patches(cfg: VerifyConfig) -> dict[str, list[FilePatch]]:
 
 def raise_on_failure(data: dict[str, Any], accept_not_checked: Iterable[str] = ()) -> None:
     """Raise unless the verdict is PASS, or INCOMPLETE with only ``accept_not_checked`` stages not checked."""
-    v = Verdict(data["verdict"], tuple(c["name"] for c in data["checks"] if c["passed"] is False),
-                tuple(data.get("missing_stages", [])), tuple(data.get("not_checked", [])))
+    v = verdict_of([Check.from_dict(c) for c in data["checks"]])
     if v.accepts(accept_not_checked):
         return
     if v.verdict == FAIL:

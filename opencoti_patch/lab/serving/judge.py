@@ -192,8 +192,7 @@ def variant_checks(name: str, run: dict[str, Any], cfg: LoadConfig, server: dict
 
 def overall_verdict(result: dict[str, Any]) -> tuple[Verdict, list[Check]]:
     """Every variant's checks and every --expect-equal comparison, through ``verdict_of``."""
-    checks = [Check(**{k: v for k, v in c.items() if k != "status"}) for x in result["summaries"]
-              for c in x["checks"]]
+    checks = [Check.from_dict(c) for x in result["summaries"] for c in x["checks"]]
     checks += [Check(f"{c['a']} = {c['b']}", "expect_equal", c["passed"],
                      f"isolated {c['isolated']['identical']}/{c['isolated']['compared']} identical, "
                      f"under load {c['load']['identical']}/{c['load']['compared']}")
